@@ -1,0 +1,385 @@
+"""Train a small GPT with DistributedDataParallel: one process per GPU, started by torch.multiprocessing.spawn.
+
+    python ddp_spawn.py                  # one process per GPU, or 2 on a CPU; --nproc N to choose
+    tensorboard --logdir runs            # loss, accuracy, learning rate and throughput
+
+--data FILE trains a byte-level model of any text file, --ckpt-dir DIR checkpoints (run again to
+resume), --d-model, --n-layers, --n-heads and --seq-len scale the model; --help lists every flag.
+"""
+
+import argparse
+import atexit
+import contextlib
+import itertools
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.tensorboard import SummaryWriter
+
+log = logging.getLogger(__name__)
+
+
+# -- configuration ------------------------------------------------------------
+
+
+def fail(message):
+    """Exit with a one-line error and no traceback: bad input is for the user to fix."""
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", help="train a byte-level model on this text file (default: built-in data)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per training sequence")
+    parser.add_argument("--d-model", type=int, default=64, help="width of the model")
+    parser.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--n-heads", type=int, default=4, help="attention heads; must divide --d-model")
+    parser.add_argument("--batch-size", type=int, default=32, help="global batch: sequences per optimizer step")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps to train for")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=30, help="steps of linear learning-rate warmup")
+    parser.add_argument("--lr-decay-steps", type=int, help="cosine decay ends here (default: --max-steps)")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm")
+    parser.add_argument("--log-every", type=int, default=10, help="steps between console and TensorBoard logs")
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
+    parser.add_argument("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]),
+                        help="TensorBoard directory")
+    parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint.pt here and resume from it (default: off)")
+    parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2,
+                        help="processes to start (default: one per GPU, or 2 on a CPU)")
+    args = parser.parse_args()
+    for name in ["nproc", "seq_len", "d_model", "n_layers", "n_heads", "batch_size", "grad_accum", "max_steps",
+                 "log_every", "eval_every", "ckpt_every"]:
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.d_model % args.n_heads:
+        fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
+    if args.batch_size % (args.nproc * args.grad_accum):
+        fail(f"--batch-size {args.batch_size} is not divisible by --nproc {args.nproc} x --grad-accum {args.grad_accum}")
+    if args.device != "cpu" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        fail(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} GPUs here")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda, but no CUDA device is available")
+    args.lr_decay_steps = args.lr_decay_steps or args.max_steps
+    return args
+
+
+# -- data ---------------------------------------------------------------------
+
+
+def markov_sequences(num_seqs, seq_len, vocab_size=64, seed=1234):
+    """Sequences from a fixed random Markov chain: learnable, and its entropy rate is the lowest
+    loss any model can reach, so the log can show how close training gets."""
+    gen = torch.Generator().manual_seed(seed)
+    transitions = torch.softmax(3 * torch.randn(vocab_size, vocab_size, generator=gen, dtype=torch.float64), 1)
+    stationary = torch.full((vocab_size,), 1 / vocab_size, dtype=torch.float64)
+    for _ in range(200):
+        stationary = stationary @ transitions
+    entropy_rate = -(stationary[:, None] * transitions * transitions.log()).sum().item()
+    tokens = torch.empty(num_seqs, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.multinomial(stationary, num_seqs, replacement=True, generator=gen)
+    for t in range(seq_len):
+        tokens[:, t + 1] = torch.multinomial(transitions[tokens[:, t]], 1, generator=gen)[:, 0]
+    return tokens, vocab_size, entropy_rate
+
+
+def text_file_sequences(path, seq_len):
+    """Consecutive chunks of a file's bytes: a byte-level language model with a vocabulary of 256."""
+    if not os.path.isfile(path):
+        fail(f"--data {path}: no such file")
+    with open(path, "rb") as f:
+        data = f.read()
+    num_seqs = (len(data) - 1) // seq_len
+    if num_seqs < 10:
+        fail(f"--data {path} has {len(data)} bytes; --seq-len {seq_len} needs at least {10 * seq_len + 1}")
+    tokens = torch.frombuffer(bytearray(data[: num_seqs * seq_len + 1]), dtype=torch.uint8).long()
+    # Chunk i is tokens[i*seq_len : (i+1)*seq_len + 1]: neighbours share one token, the next target.
+    return tokens.as_strided((num_seqs, seq_len + 1), (seq_len, 1)), 256, None
+
+
+def build_datasets(args):
+    """Train and validation sets of (input, target) pairs, the last tenth held out; the vocabulary
+    size; and the best achievable loss where it is known."""
+    if args.data:
+        tokens, vocab_size, best_loss = text_file_sequences(args.data, args.seq_len)
+    else:
+        tokens, vocab_size, best_loss = markov_sequences(4096, args.seq_len)
+    dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    num_train = len(dataset) - len(dataset) // 10
+    return Subset(dataset, range(num_train)), Subset(dataset, range(num_train, len(dataset))), vocab_size, best_loss
+
+
+# -- model --------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP, each added to the residual."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.attn_norm = nn.LayerNorm(config.d_model)
+        # No bias: a key bias shifts a query's scores all alike, which softmax ignores, so its gradient
+        # is rounding noise that Adam would amplify into steps of full size.
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.attn_out = nn.Linear(config.d_model, config.d_model)
+        self.mlp_norm = nn.LayerNorm(config.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(), nn.Linear(4 * config.d_model, config.d_model)
+        )
+
+    def forward(self, x):
+        batch, seq_len, d_model = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(d_model, dim=-1)
+        q, k, v = (t.view(batch, seq_len, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_out(attn.transpose(1, 2).reshape(batch, seq_len, d_model))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        # Blocks by name ("0", "1", ...): FSDP shards them one at a time, a pipeline stage keeps some.
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.norm = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens):
+        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+# -- setup --------------------------------------------------------------------
+
+
+def free_port():
+    """A port that is free now: the OS picks it, and rank 0's store binds it moments later."""
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def setup(rank, args):
+    """Prepare this process to train: pick its device and seed the model's initialisation."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)  # before init_process_group, so NCCL uses this process's GPU alone
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.nproc,
+                            device_id=device if device.type == "cuda" else None)  # meets at MASTER_ADDR:MASTER_PORT
+    atexit.register(dist.destroy_process_group)  # on every exit path, errors included
+    torch.manual_seed(args.seed)
+    return device
+
+
+# -- training step ------------------------------------------------------------
+
+
+def configure_optimizer(model, args, device):
+    """AdamW with decay on matrices only, and a schedule of linear warmup then cosine decay to lr/10."""
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # biases and norms
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+    def lr_factor(step):
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.lr_decay_steps - args.warmup_steps))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+def train_step(model, optimizer, scheduler, micro_batches, args, device):
+    """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor:
+    reading it with .item() would wait for the GPU, so only logging steps do."""
+    total_loss = torch.zeros((), device=device)
+    for micro_step in range(args.grad_accum):
+        inputs, targets = next(micro_batches)
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        # All-reduce gradients in the last micro-step only. no_sync also wraps the forward, where DDP decides.
+        with model.no_sync() if micro_step < args.grad_accum - 1 else contextlib.nullcontext():
+            loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()) / args.grad_accum
+            loss.backward()
+        total_loss += loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total_loss
+
+
+# -- evaluation ---------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Mean loss and next-token accuracy over every token the loader holds."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, tokens
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        logits = model(inputs)
+        totals[0] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        totals[1] += (logits.argmax(-1) == targets).sum()
+        totals[2] += targets.numel()
+    dist.all_reduce(totals)  # each rank evaluated its own shard: add up the sums and counts
+    model.train()
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count
+
+
+# -- checkpointing ------------------------------------------------------------
+
+
+def save_checkpoint(path, model, optimizer, scheduler, step, config):
+    """Write to a temporary file, then rename it over the old one: a crash mid-write leaves the
+    previous checkpoint intact."""
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "step": step, "config": asdict(config)}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path, model, optimizer, scheduler, config, device):
+    """Restore the training state in place and return the step to continue from."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        fail(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}")
+    if not isinstance(state, dict) or state.get("config") != asdict(config):
+        found = state.get("config") if isinstance(state, dict) else None
+        fail(f"{path} holds a model {found}, this run builds {asdict(config)}: match the flags or use another --ckpt-dir")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["step"]
+
+
+# -- main ---------------------------------------------------------------------
+
+
+def main(rank, args):
+    device = setup(rank, args)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    is_main_process = rank == 0  # console, TensorBoard and checkpoints: rank 0 alone writes
+    logging.basicConfig(format="%(message)s", level=logging.INFO if is_main_process else logging.WARNING, stream=sys.stdout)
+    train_set, val_set, vocab_size, best_loss = build_datasets(args)
+    steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size
+    if steps_per_epoch == 0:
+        fail(f"--batch-size {args.batch_size} is more than the {len(train_set)} training sequences")
+    config = ModelConfig(vocab_size, args.seq_len, args.d_model, args.n_layers, args.n_heads)
+    model = GPT(config).to(device)
+    optimizer, scheduler = configure_optimizer(model, args, device)
+    per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # sequences in one forward pass
+    log.info(f"device {device} | {sum(p.numel() for p in model.parameters()):,} parameters | "
+             f"{len(train_set)} train and {len(val_set)} validation sequences of {args.seq_len} tokens")
+    log.info(f"global batch {args.batch_size} = {per_process_batch_size} per process x {args.grad_accum} "
+             f"accumulation steps x {world_size} processes")
+    log.info(f"loss of a uniform guess: {math.log(vocab_size):.4f}" +
+             (f", best achievable (the Markov chain's entropy rate): {best_loss:.4f}" if best_loss else ""))
+
+    step = 0
+    ckpt_path = args.ckpt_dir and os.path.join(args.ckpt_dir, "checkpoint.pt")
+    if ckpt_path and os.path.exists(ckpt_path):
+        step = load_checkpoint(ckpt_path, model, optimizer, scheduler, config, device)
+        log.info(f"resumed from {ckpt_path} at step {step}")
+    if step >= args.max_steps:
+        log.info(f"{ckpt_path} is at step {step}: the run is finished (--max-steps {args.max_steps})")
+        return
+
+    sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
+    pin_memory = device.type == "cuda"  # page-locked host memory lets the copy to the GPU run async
+    train_loader = DataLoader(train_set, per_process_batch_size, sampler=sampler, pin_memory=pin_memory)
+    val_set = Subset(val_set, range(rank, len(val_set), world_size))  # no padding duplicates, unlike the sampler's
+    val_loader = DataLoader(val_set, per_process_batch_size, pin_memory=pin_memory)
+    start_step, start_time = step, time.perf_counter()
+    last_step, last_time = step, start_time
+    metrics, micro_batches = {}, None
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+    with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer:
+        while True:
+            if step % args.eval_every == 0 or step == args.max_steps:
+                val_loss, val_accuracy = evaluate(model, val_loader, device)
+                log.info(f"step {step:>5} | val loss {val_loss:.4f} | val accuracy {val_accuracy:.4f}")
+                metrics.update({"val/loss": val_loss, "val/accuracy": val_accuracy})
+            if is_main_process:
+                for name, value in metrics.items():
+                    writer.add_scalar(name, value, step)
+            if step == args.max_steps:
+                break
+            if micro_batches is None or step % steps_per_epoch == 0:
+                sampler.set_epoch(step // steps_per_epoch)  # a new order each epoch, the same on every rank
+                # A resumed run skips what its epoch has already trained on: the data order stays the same.
+                micro_batches = itertools.islice(train_loader, step % steps_per_epoch * args.grad_accum, None)
+            loss = train_step(ddp_model, optimizer, scheduler, micro_batches, args, device)
+            step += 1
+
+            metrics = {}
+            if step % args.log_every == 0 or step == args.max_steps:
+                dist.all_reduce(loss.div_(world_size))  # the mean over ranks; a collective, so every rank calls it
+                now = time.perf_counter()
+                tokens_per_sec = (step - last_step) * args.batch_size * args.seq_len / (now - last_time)
+                left = (now - start_time) / (step - start_step) * (args.max_steps - step)
+                metrics = {"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0],
+                           "train/tokens_per_sec": tokens_per_sec}
+                log.info(f"step {step:>5} | loss {metrics['train/loss']:.4f} | lr {metrics['train/lr']:.2e} | "
+                         f"{tokens_per_sec:,.0f} tokens/s | {now - start_time:.0f}s elapsed, {left:.0f}s left")
+                last_step, last_time = step, now
+            if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
+                if is_main_process:
+                    save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)
+                dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
+                log.info(f"step {step:>5} | saved {ckpt_path}")
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    os.environ.setdefault("MASTER_ADDR", "localhost")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))  # not a fixed port: two jobs may share this host
+    try:
+        mp.spawn(main, args=(args,), nprocs=args.nproc)  # calls main(rank, args) in each new process
+    except mp.ProcessExitedException as e:  # the process has already printed why it stopped
+        fail(str(e))
