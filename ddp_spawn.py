@@ -373,6 +373,7 @@ def main(rank, args):
                     save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
                 log.info(f"step {step:>5} | saved {ckpt_path}")
+    dist.barrier()  # finish together, and let gloo's threads release the last tensors before Python exits
 
 
 if __name__ == "__main__":
