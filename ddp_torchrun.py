@@ -328,7 +328,7 @@ def main(args):
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     metrics, micro_batches = {}, None
-    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)  # saves a grad copy
     with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer:
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
