@@ -1,0 +1,62 @@
+"""The scripts share one skeleton: `diff single_gpu.py X.py` shows what strategy X needs, no more."""
+
+import re
+import subprocess
+
+import pytest
+
+from conftest import ROOT, SCRIPTS
+
+SECTION = re.compile(r"^# -- (\w[\w ]*\w) -+$", re.MULTILINE)
+SIBLING_IMPORT = re.compile(r"^\s*(from|import)\s+(single_gpu|dataparallel|ddp_spawn|ddp_torchrun|ddp_amp|fsdp|pipeline)\b",
+                            re.MULTILINE)
+# Lines changed against single_gpu.py, both sides counted, as `diff single_gpu.py X.py | grep -c '^[<>]'`.
+MAX_CHANGED_LINES = {"dataparallel.py": 20, "ddp_spawn.py": 90, "ddp_torchrun.py": 59}
+
+
+def source(script):
+    return (ROOT / script).read_text()
+
+
+def sections(script):
+    """{section name: its text}, in file order."""
+    text = source(script)
+    marks = list(SECTION.finditer(text))
+    return {m.group(1): text[m.end(): marks[i + 1].start() if i + 1 < len(marks) else len(text)]
+            for i, m in enumerate(marks)}
+
+
+def changed_lines(script):
+    diff = subprocess.run(["diff", str(ROOT / "single_gpu.py"), str(ROOT / script)], capture_output=True, text=True)
+    assert diff.returncode in (0, 1), diff.stderr
+    return sum(line.startswith(("<", ">")) for line in diff.stdout.splitlines())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_no_script_imports_a_sibling(script):
+    assert not SIBLING_IMPORT.search(source(script))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_same_sections_in_the_same_order(script):
+    assert list(sections(script)) == ["configuration", "data", "model", "setup", "training step", "evaluation",
+                                      "checkpointing", "main"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS[1:])
+@pytest.mark.parametrize("section", ["data", "model"])
+def test_model_and_data_sections_are_single_gpus(script, section):
+    assert sections(script)[section] == sections("single_gpu.py")[section]
+
+
+@pytest.mark.parametrize("script", SCRIPTS[1:])
+def test_diff_against_single_gpu_stays_small(script):
+    assert 0 < changed_lines(script) <= MAX_CHANGED_LINES[script]
+
+
+def test_readme_states_the_real_diff_sizes():
+    readme = (ROOT / "README.md").read_text()
+    for script in SCRIPTS[1:]:
+        row = re.search(rf"^\| `{re.escape(script)}` \|.*\| (\d+) \|$", readme, re.MULTILINE)
+        assert row, f"README has no diff-size row for {script}"
+        assert int(row.group(1)) == changed_lines(script), script
