@@ -373,7 +373,8 @@ def main(rank, args):
                     save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
                 log.info(f"step {step:>5} | saved {ckpt_path}")
-    dist.barrier()  # finish together, and let gloo's threads release the last tensors before Python exits
+    dist.destroy_process_group()
+    os._exit(0)  # skip Python's teardown: it can race gloo's threads and abort (pytorch/pytorch#190489)
 
 
 if __name__ == "__main__":
