@@ -5,7 +5,6 @@ one, on the same config. A benchmark that prints figures, not a test (pytest doe
 """
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ with tempfile.TemporaryDirectory() as tmp:
         for script in results:  # alternate, so that a slow spell of the machine hits both
             log_dir = Path(tmp) / f"{script}-{repeat}"
             subprocess.run([sys.executable, str(ROOT / script), "--device", args.device, "--log-dir", str(log_dir),
-                            *training_flags], check=True, stdout=subprocess.DEVNULL, env=dict(os.environ))
+                            *training_flags], check=True, stdout=subprocess.DEVNULL, timeout=900)
             per_log = scalars(log_dir)["train/tokens_per_sec"]
             steady = [v for step, v in sorted(per_log.items())][1:]  # the first interval includes warm-up
             results[script].append(statistics.median(steady))
