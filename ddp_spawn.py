@@ -303,7 +303,7 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
 
 def main(rank, args):
     device = setup(rank, args)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    world_size = dist.get_world_size()
     is_main_process = rank == 0  # console, TensorBoard and checkpoints: rank 0 alone writes
     logging.basicConfig(format="%(message)s", level=logging.INFO if is_main_process else logging.WARNING, stream=sys.stdout)
     train_set, val_set, vocab_size, best_loss = build_datasets(args)

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import SCRIPTS, TINY, run
+from conftest import DISTRIBUTED, SCRIPTS, TINY, run
 
 
 def fails_cleanly(script, args, message, timeout=30):
@@ -31,7 +31,7 @@ def test_batch_size_must_be_positive(script, batch_size):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_batch_size_must_split_evenly(script):
     # 6 sequences split into 2 micro-batches in one process, but not into 2 x 2 with two.
-    batch = 6 if script in ("ddp_spawn.py", "ddp_torchrun.py") else 7
+    batch = 6 if script in DISTRIBUTED else 7
     fails_cleanly(script, ["--batch-size", batch], f"--batch-size {batch} is not divisible by")
 
 
