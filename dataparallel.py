@@ -11,6 +11,7 @@ resume), --d-model, --n-layers, --n-heads and --seq-len scale the model; --help 
 """
 
 import argparse
+import datetime
 import itertools
 import logging
 import math
@@ -281,6 +282,7 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
 
 def main(args):
     device = setup(args)
+    world_size = 1  # processes training together; the distributed scripts ask their process group
     logging.basicConfig(format="%(message)s", level=logging.INFO, stream=sys.stdout)
     train_set, val_set, vocab_size, best_loss = build_datasets(args)
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size
@@ -290,11 +292,12 @@ def main(args):
     model = GPT(config).to(device)
     dp_model = nn.DataParallel(model) if device.type == "cuda" else model  # checkpoints hold model, unwrapped
     optimizer, scheduler = configure_optimizer(model, args, device)
-    per_process_batch_size = args.batch_size // args.grad_accum  # sequences in one forward pass
+    per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # sequences in one forward pass
     log.info(f"device {device} | {sum(p.numel() for p in model.parameters()):,} parameters | "
              f"{len(train_set)} train and {len(val_set)} validation sequences of {args.seq_len} tokens")
     log.info(f"global batch {args.batch_size} = {per_process_batch_size} per process x {args.grad_accum} "
-             f"accumulation steps x 1 process driving {torch.cuda.device_count() if device.type == 'cuda' else 0} GPUs")
+             f"accumulation steps x world size {world_size}, one process driving "
+             f"{torch.cuda.device_count() if device.type == 'cuda' else 0} GPUs")
     log.info(f"loss of a uniform guess: {math.log(vocab_size):.4f}" +
              (f", best achievable (the Markov chain's entropy rate): {best_loss:.4f}" if best_loss else ""))
 
@@ -335,11 +338,12 @@ def main(args):
             if step % args.log_every == 0 or step == args.max_steps:
                 now = time.perf_counter()
                 tokens_per_sec = (step - last_step) * args.batch_size * args.seq_len / (now - last_time)
-                left = (now - start_time) / (step - start_step) * (args.max_steps - step)
+                elapsed = datetime.timedelta(seconds=round(now - start_time))  # printed as h:mm:ss
+                left = datetime.timedelta(seconds=round((now - start_time) / (step - start_step) * (args.max_steps - step)))
                 metrics = {"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0],
                            "train/tokens_per_sec": tokens_per_sec}
                 log.info(f"step {step:>5} | loss {metrics['train/loss']:.4f} | lr {metrics['train/lr']:.2e} | "
-                         f"{tokens_per_sec:,.0f} tokens/s | {now - start_time:.0f}s elapsed, {left:.0f}s left")
+                         f"{tokens_per_sec:,.0f} tokens/s | {elapsed} elapsed, {left} left")
                 last_step, last_time = step, now
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
                 save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)

@@ -10,6 +10,7 @@ resume), --d-model, --n-layers, --n-heads and --seq-len scale the model; --help 
 import argparse
 import atexit
 import contextlib
+import datetime
 import itertools
 import logging
 import math
@@ -63,9 +64,10 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2,
                         help="processes to start (default: one per GPU, or 2 on a CPU)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
     args = parser.parse_args()
     for name in ["nproc", "seq_len", "d_model", "n_layers", "n_heads", "batch_size", "grad_accum", "max_steps",
-                 "log_every", "eval_every", "ckpt_every"]:
+                 "log_every", "eval_every", "ckpt_every", "timeout"]:
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.d_model % args.n_heads:
@@ -201,7 +203,8 @@ def setup(rank, args):
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)  # before init_process_group, so NCCL uses this process's GPU alone
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.nproc,
-                            device_id=device if device.type == "cuda" else None)  # meets at MASTER_ADDR:MASTER_PORT
+                            device_id=device if device.type == "cuda" else None,
+                            timeout=datetime.timedelta(seconds=args.timeout))  # meets at MASTER_ADDR:MASTER_PORT
     atexit.register(dist.destroy_process_group)  # on every exit path, errors included
     torch.manual_seed(args.seed)
     return device
@@ -317,7 +320,7 @@ def main(rank, args):
     log.info(f"device {device} | {sum(p.numel() for p in model.parameters()):,} parameters | "
              f"{len(train_set)} train and {len(val_set)} validation sequences of {args.seq_len} tokens")
     log.info(f"global batch {args.batch_size} = {per_process_batch_size} per process x {args.grad_accum} "
-             f"accumulation steps x {world_size} processes")
+             f"accumulation steps x world size {world_size}")
     log.info(f"loss of a uniform guess: {math.log(vocab_size):.4f}" +
              (f", best achievable (the Markov chain's entropy rate): {best_loss:.4f}" if best_loss else ""))
 
@@ -362,11 +365,12 @@ def main(rank, args):
                 dist.all_reduce(loss.div_(world_size))  # the mean over ranks; a collective, so every rank calls it
                 now = time.perf_counter()
                 tokens_per_sec = (step - last_step) * args.batch_size * args.seq_len / (now - last_time)
-                left = (now - start_time) / (step - start_step) * (args.max_steps - step)
+                elapsed = datetime.timedelta(seconds=round(now - start_time))  # printed as h:mm:ss
+                left = datetime.timedelta(seconds=round((now - start_time) / (step - start_step) * (args.max_steps - step)))
                 metrics = {"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0],
                            "train/tokens_per_sec": tokens_per_sec}
                 log.info(f"step {step:>5} | loss {metrics['train/loss']:.4f} | lr {metrics['train/lr']:.2e} | "
-                         f"{tokens_per_sec:,.0f} tokens/s | {now - start_time:.0f}s elapsed, {left:.0f}s left")
+                         f"{tokens_per_sec:,.0f} tokens/s | {elapsed} elapsed, {left} left")
                 last_step, last_time = step, now
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
                 if is_main_process:

@@ -11,6 +11,7 @@ resume), --d-model, --n-layers, --n-heads and --seq-len scale the model; --help 
 import argparse
 import atexit
 import contextlib
+import datetime
 import itertools
 import logging
 import math
@@ -60,16 +61,14 @@ def parse_args():
     parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
     args = parser.parse_args()
     for name in ["seq_len", "d_model", "n_layers", "n_heads", "batch_size", "grad_accum", "max_steps",
-                 "log_every", "eval_every", "ckpt_every"]:
+                 "log_every", "eval_every", "ckpt_every", "timeout"]:
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.d_model % args.n_heads:
         fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if args.batch_size % (world_size * args.grad_accum):
-        fail(f"--batch-size {args.batch_size} is not divisible by {world_size} processes x --grad-accum {args.grad_accum}")
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda, but no CUDA device is available")
     args.lr_decay_steps = args.lr_decay_steps or args.max_steps
@@ -191,7 +190,8 @@ def setup(args):
         torch.cuda.set_device(device)  # before init_process_group, so NCCL uses this process's GPU alone
     for name, default in [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "0")]:
         os.environ.setdefault(name, default)  # torchrun sets these; plain `python` makes a world of one
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
+                            timeout=datetime.timedelta(seconds=args.timeout))
     atexit.register(dist.destroy_process_group)  # on every exit path, errors included
     torch.manual_seed(args.seed)
     return device
@@ -296,6 +296,8 @@ def main(args):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     is_main_process = rank == 0  # console, TensorBoard and checkpoints: rank 0 alone writes
     logging.basicConfig(format="%(message)s", level=logging.INFO if is_main_process else logging.WARNING, stream=sys.stdout)
+    if args.batch_size % (world_size * args.grad_accum):  # checked here: the world size comes from the group
+        fail(f"--batch-size {args.batch_size} is not divisible by {world_size} processes x --grad-accum {args.grad_accum}")
     train_set, val_set, vocab_size, best_loss = build_datasets(args)
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size
     if steps_per_epoch == 0:
@@ -307,7 +309,7 @@ def main(args):
     log.info(f"device {device} | {sum(p.numel() for p in model.parameters()):,} parameters | "
              f"{len(train_set)} train and {len(val_set)} validation sequences of {args.seq_len} tokens")
     log.info(f"global batch {args.batch_size} = {per_process_batch_size} per process x {args.grad_accum} "
-             f"accumulation steps x {world_size} processes")
+             f"accumulation steps x world size {world_size}")
     log.info(f"loss of a uniform guess: {math.log(vocab_size):.4f}" +
              (f", best achievable (the Markov chain's entropy rate): {best_loss:.4f}" if best_loss else ""))
 
@@ -352,11 +354,12 @@ def main(args):
                 dist.all_reduce(loss.div_(world_size))  # the mean over ranks; a collective, so every rank calls it
                 now = time.perf_counter()
                 tokens_per_sec = (step - last_step) * args.batch_size * args.seq_len / (now - last_time)
-                left = (now - start_time) / (step - start_step) * (args.max_steps - step)
+                elapsed = datetime.timedelta(seconds=round(now - start_time))  # printed as h:mm:ss
+                left = datetime.timedelta(seconds=round((now - start_time) / (step - start_step) * (args.max_steps - step)))
                 metrics = {"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0],
                            "train/tokens_per_sec": tokens_per_sec}
                 log.info(f"step {step:>5} | loss {metrics['train/loss']:.4f} | lr {metrics['train/lr']:.2e} | "
-                         f"{tokens_per_sec:,.0f} tokens/s | {now - start_time:.0f}s elapsed, {left:.0f}s left")
+                         f"{tokens_per_sec:,.0f} tokens/s | {elapsed} elapsed, {left} left")
                 last_step, last_time = step, now
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
                 if is_main_process:
