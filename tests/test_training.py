@@ -3,13 +3,8 @@
 import pytest
 import torch
 
-from conftest import DISTRIBUTED, SCRIPTS, STEPS, TINY, WARNING, load, run, scalars
+from conftest import DISTRIBUTED, PARAM_ATOL, SCRIPTS, STEPS, TINY, WARNING, load, max_param_diff, run, scalars
 
-# Where the scripts may differ at all, they differ only in the order of fp32 additions: a
-# gradient summed as two per-rank halves, then averaged, rounds differently from one sum over
-# the batch (about 1e-7 relative). Sixteen AdamW steps, whose update m / sqrt(v) normalises
-# gradients, keep that far below 1e-5 on weights of size ~0.02-1 (the largest seen: see README).
-PARAM_ATOL = 1e-5
 LOSS_ATOL = 1e-5
 
 
@@ -38,11 +33,6 @@ def test_trains_logs_and_checkpoints(trained, script):
     assert ckpt["step"] == STEPS
     assert not any(name.startswith("module.") for name in ckpt["model"]), list(ckpt["model"])
     assert ckpt["config"] == {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2}
-
-
-def max_param_diff(a, b):
-    assert a.keys() == b.keys()
-    return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
 @pytest.mark.parametrize("script", SCRIPTS[1:])

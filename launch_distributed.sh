@@ -1,0 +1,243 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=train
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --output=%x-%j.out
+# The lines above are sbatch's directives: one task per node, which runs one torchrun, which starts
+# that node's workers. Ask for GPUs on sbatch's command line (--gpus-per-node=8), where clusters differ.
+
+usage() {
+    cat <<'EOF'
+Launch a training script of this collection on one node, on several, or in a SLURM allocation.
+
+usage: launch_distributed.sh [--check] [--dry-run] SCRIPT [SCRIPT'S FLAGS...]
+       launch_distributed.sh --check [--dry-run]
+
+The mode comes from the environment:
+  one node (default)  ./launch_distributed.sh ddp_torchrun.py --batch-size 64
+                      = torchrun --standalone --nproc-per-node=<GPUs here, or 2 on a CPU> ddp_torchrun.py ...
+  several nodes       NNODES=2 MASTER_ADDR=node1 ./launch_distributed.sh ddp_torchrun.py   (the same on every node)
+                      = torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=node1:29500 --rdzv-id=... ...
+  SLURM (SLURM_JOB_ID is set)
+                      sbatch launch_distributed.sh ddp_torchrun.py, or inside salloc
+                      = srun --kill-on-bad-exit=1 --ntasks-per-node=1 torchrun --rdzv-endpoint=<first host>:PORT
+                        --rdzv-id=$SLURM_JOB_ID ... (one torchrun per node)
+single_gpu.py and dataparallel.py (one process) and ddp_spawn.py (starts its own) run with python.
+
+options:
+  --check      run a communication check across every rank (all_reduce, broadcast, bandwidth) with
+               the same launch; then SCRIPT, if one is given and the check passed
+  --dry-run    print the commands, run nothing
+  -h, --help   this text
+
+environment:
+  NPROC_PER_NODE  processes per node (default: the node's GPUs; in SLURM, the allocation's; 2 on a CPU)
+  NNODES          nodes taking part (default 1); more than 1 needs MASTER_ADDR
+  MASTER_ADDR     host of the rendezvous, reachable from every node (SLURM: the allocation's first host)
+  MASTER_PORT     its port (default 29500; SLURM: 20000 + job id % 10000, so jobs sharing a host differ)
+  NODE_RANK       0 on the node at MASTER_ADDR: it then hosts the rendezvous without guessing from its name
+  RDZV_ID         name of the job, the same on every node (default: the script's name)
+  JOIN_TIMEOUT    seconds to wait for every node to join (default 300)
+  MAX_RESTARTS    times to restart the workers after one fails (default 3); with --ckpt-dir the restarted
+                  run resumes from its last checkpoint
+  PYTHON          interpreter for single-process scripts and the check (default: python)
+EOF
+}
+
+set -euo pipefail
+
+die() {
+    echo "launch_distributed.sh: error: $*" >&2
+    exit 1
+}
+
+# Every rank checks an all_reduce and a broadcast, the results are gathered, and rank 0 names any rank
+# that got a wrong answer and times a fixed-size all_reduce. Passed to python -c: no file to ship to nodes.
+CHECK_PROGRAM='
+import datetime, os, socket, sys, time
+import torch
+import torch.distributed as dist
+
+cuda = torch.cuda.is_available()
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(device)
+dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                        timeout=datetime.timedelta(seconds=60))
+rank, world_size, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+errors = []
+summed = torch.full((1024,), float(rank + 1), device=device)
+dist.all_reduce(summed)
+expected = world_size * (world_size + 1) / 2
+if not torch.all(summed == expected):
+    errors.append(f"all_reduce gave {summed[0].item():g}, expected {expected:g}")
+sent = torch.arange(1024, dtype=torch.float32, device=device) * (1 if rank == 0 else -1)
+dist.broadcast(sent, src=0)
+if not torch.equal(sent.cpu(), torch.arange(1024, dtype=torch.float32)):
+    errors.append("broadcast from rank 0 arrived changed")
+reports = [None] * world_size
+dist.all_gather_object(reports, (socket.gethostname(), errors))
+failed = [f"rank {r} on {host}: " + "; ".join(errs) for r, (host, errs) in enumerate(reports) if errs]
+if failed:
+    if rank == 0:
+        print("check failed on " + ", ".join(f"rank {r}" for r, (_, errs) in enumerate(reports) if errs) + ":\n  "
+              + "\n  ".join(failed), file=sys.stderr)
+    dist.destroy_process_group()
+    sys.exit(1)
+
+size_mib, repeats = 32, 5
+buffer = torch.ones(size_mib * 2**20 // 4, device=device)
+for i in range(repeats + 1):  # the first is a warm-up: it sets up connections and buffers
+    if i == 1:
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+    dist.all_reduce(buffer)
+if cuda:
+    torch.cuda.synchronize()
+seconds = (time.perf_counter() - start) / repeats
+dist.destroy_process_group()
+if rank == 0:
+    nodes, per_node = int(os.environ["GROUP_WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    bus_bandwidth = size_mib * 2**20 * 2 * (world_size - 1) / world_size / seconds / 1e9  # as nccl-tests count it
+    print(f"check passed: world size {world_size} ({nodes} node{"s" if nodes > 1 else ""} x {per_node} processes), backend {backend}: "
+          "all_reduce and broadcast correct on every rank")
+    print(f"all_reduce of {size_mib} MiB: {seconds * 1e3:.1f} ms, bus bandwidth {bus_bandwidth:.2f} GB/s")
+'
+
+check=0
+dry_run=0
+while (($#)); do
+    case "$1" in
+        -h | --help) usage; exit 0 ;;
+        --check) check=1; shift ;;
+        --dry-run) dry_run=1; shift ;;
+        --) shift; break ;;
+        -*) die "unknown option $1 (options come before the script; --help lists them)" ;;
+        *) break ;;
+    esac
+done
+if (($# == 0)) && ((!check)); then
+    usage >&2
+    exit 2
+fi
+script=${1:-}
+(($#)) && shift
+if [[ -n "$script" && ! -f "$script" ]]; then
+    die "no such script: $script"
+fi
+
+PYTHON=${PYTHON:-python}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+JOIN_TIMEOUT=${JOIN_TIMEOUT:-300}
+NNODES=${NNODES:-1}
+for name in MAX_RESTARTS JOIN_TIMEOUT NNODES ${NPROC_PER_NODE:+NPROC_PER_NODE} ${NODE_RANK:+NODE_RANK} ${MASTER_PORT:+MASTER_PORT}; do
+    [[ "${!name}" =~ ^[0-9]+$ ]] || die "$name must be a whole number, got '${!name}'"
+done
+((NNODES >= 1)) || die "NNODES must be at least 1"
+# One process (single_gpu.py, dataparallel.py) or its own processes (ddp_spawn.py): python, one node.
+case "$(basename -- "$script")" in
+    single_gpu.py | dataparallel.py | ddp_spawn.py) runner=python ;;
+    *) runner=torchrun ;;
+esac
+
+if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+    mode=slurm
+elif [[ -n "${SLURM_JOB_NODELIST:-}${SLURM_NNODES:-}${SLURM_NODELIST:-}" ]]; then
+    # Outside an allocation --rdzv-id=$SLURM_JOB_ID would be empty: each torchrun would make up its own
+    # id and wait for the others until the join timeout.
+    die "SLURM variables are set but SLURM_JOB_ID is empty: run this through sbatch or inside salloc"
+elif ((NNODES > 1)); then
+    mode=multi
+else
+    mode=single
+fi
+
+resolve() {  # fail now, not after the join timeout, when a host name does not resolve
+    "$PYTHON" -c 'import socket, sys; socket.getaddrinfo(sys.argv[1], None)' "$1" 2>/dev/null ||
+        die "MASTER_ADDR $1 does not resolve to an address from $(hostname): use a name or IP every node can reach"
+}
+
+gpus_here() {
+    "$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0
+}
+
+case "$mode" in
+    single)
+        nproc=${NPROC_PER_NODE:-$(gpus_here)}
+        ((nproc > 0)) || nproc=2  # no GPU: two CPU processes, enough to see DDP at work
+        rendezvous=(--standalone)
+        ;;
+    multi)
+        [[ -n "${MASTER_ADDR:-}" ]] || die "NNODES=$NNODES needs MASTER_ADDR, the host of the rendezvous"
+        [[ "$runner" == torchrun ]] || die "$(basename -- "$script") runs on one node; use ddp_torchrun.py for NNODES > 1"
+        resolve "$MASTER_ADDR"
+        nproc=${NPROC_PER_NODE:-$(gpus_here)}
+        ((nproc > 0)) || nproc=2
+        conf="join_timeout=$JOIN_TIMEOUT"
+        if [[ -n "${NODE_RANK:-}" ]]; then
+            conf+=",is_host=$( ((NODE_RANK == 0)) && echo true || echo false)"
+        fi
+        rendezvous=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
+                    --rdzv-id="${RDZV_ID:-$(basename -- "${script:-check}" .py)}" --rdzv-conf="$conf")
+        ;;
+    slurm)
+        nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+        head=${MASTER_ADDR:-}
+        if [[ -z "$head" ]]; then
+            hosts=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}") ||
+                die "scontrol cannot list the hosts of job $SLURM_JOB_ID; set MASTER_ADDR to the first one"
+            head=${hosts%%$'\n'*}
+        fi
+        resolve "$head"
+        gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
+        nproc=${NPROC_PER_NODE:-${gpus##*:}}  # SLURM_GPUS_PER_NODE may read "a100:4"
+        ((nproc > 0)) || nproc=2
+        rendezvous=(--nnodes="$nodes" --rdzv-backend=c10d
+                    --rdzv-endpoint="$head:${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}"
+                    --rdzv-id="$SLURM_JOB_ID" --rdzv-conf="join_timeout=$JOIN_TIMEOUT")
+        ;;
+esac
+
+run() {  # print the command, copyable as it stands, and run it unless --dry-run
+    local arg quoted=()
+    for arg in "$@"; do
+        if [[ "$arg" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then quoted+=("$arg"); else quoted+=("$(printf '%q' "$arg")"); fi
+    done
+    echo "${quoted[*]}"
+    ((dry_run)) || "$@"
+}
+
+torchrun_on_each_node() {  # torchrun ARGS..., under srun in SLURM mode: one torchrun per node
+    # A restarted worker must not find its predecessors' addresses in the store it would share with
+    # the agent: with it shared, gloo workers failed to restart (pytorch/pytorch#135712).
+    local command=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun "${rendezvous[@]}" --nproc-per-node="$nproc" "$@")
+    if [[ "$mode" == slurm ]]; then
+        command=(srun --nodes="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 "${command[@]}")
+    fi
+    run "${command[@]}"
+}
+
+if ((check)); then
+    # No restarts: a check that fails should say so, not try again.
+    torchrun_on_each_node --max-restarts=0 --no-python "$PYTHON" -c "$CHECK_PROGRAM" || exit
+fi
+[[ -n "$script" ]] || exit 0
+
+if [[ "$runner" == python ]]; then
+    args=("$@")
+    if [[ "$(basename -- "$script")" == ddp_spawn.py && -n "${NPROC_PER_NODE:-}" ]]; then
+        args=(--nproc "$NPROC_PER_NODE" "${args[@]}")
+    fi
+    if [[ "$mode" == slurm ]]; then
+        run srun --nodes=1 --ntasks=1 --kill-on-bad-exit=1 "$PYTHON" "$script" "${args[@]}"
+    else
+        run "$PYTHON" "$script" "${args[@]}"
+    fi
+    exit
+fi
+if ((MAX_RESTARTS > 0)) && [[ " $* " != *" --ckpt-dir"* ]]; then
+    echo "launch_distributed.sh: note: without --ckpt-dir a restarted run starts again from step 0" >&2
+fi
+torchrun_on_each_node --max-restarts="$MAX_RESTARTS" "$script" "$@"
