@@ -100,8 +100,9 @@ seconds = (time.perf_counter() - start) / repeats
 dist.destroy_process_group()
 if rank == 0:
     nodes, per_node = int(os.environ["GROUP_WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    noun = "node" if nodes == 1 else "nodes"
     bus_bandwidth = size_mib * 2**20 * 2 * (world_size - 1) / world_size / seconds / 1e9  # as nccl-tests count it
-    print(f"check passed: world size {world_size} ({nodes} node{"s" if nodes > 1 else ""} x {per_node} processes), backend {backend}: "
+    print(f"check passed: world size {world_size} ({nodes} {noun} x {per_node} processes), backend {backend}: "
           "all_reduce and broadcast correct on every rank")
     print(f"all_reduce of {size_mib} MiB: {seconds * 1e3:.1f} ms, bus bandwidth {bus_bandwidth:.2f} GB/s")
 '
@@ -179,7 +180,9 @@ case "$mode" in
         if [[ -n "${NODE_RANK:-}" ]]; then
             conf+=",is_host=$( ((NODE_RANK == 0)) && echo true || echo false)"
         fi
-        rendezvous=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
+        nodes=$NNODES
+        endpoint=$MASTER_ADDR:${MASTER_PORT:-29500}
+        rendezvous=(--nnodes="$nodes" --rdzv-backend=c10d --rdzv-endpoint="$endpoint"
                     --rdzv-id="${RDZV_ID:-$(basename -- "${script:-check}" .py)}" --rdzv-conf="$conf")
         ;;
     slurm)
@@ -194,29 +197,46 @@ case "$mode" in
         gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
         nproc=${NPROC_PER_NODE:-${gpus##*:}}  # SLURM_GPUS_PER_NODE may read "a100:4"
         ((nproc > 0)) || nproc=2
-        rendezvous=(--nnodes="$nodes" --rdzv-backend=c10d
-                    --rdzv-endpoint="$head:${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}"
+        endpoint=$head:${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
+        rendezvous=(--nnodes="$nodes" --rdzv-backend=c10d --rdzv-endpoint="$endpoint"
                     --rdzv-id="$SLURM_JOB_ID" --rdzv-conf="join_timeout=$JOIN_TIMEOUT")
         ;;
 esac
 
-run() {  # print the command, copyable as it stands, and run it unless --dry-run
-    local arg quoted=()
+run() {  # [exec] COMMAND...: print the command, copyable as it stands, and run it unless --dry-run
+    local arg quoted=() replace=
+    if [[ "$1" == exec ]]; then
+        replace=exec  # the launcher becomes the command: signals (Ctrl-C, scancel) reach it directly
+        shift
+    fi
     for arg in "$@"; do
         if [[ "$arg" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then quoted+=("$arg"); else quoted+=("$(printf '%q' "$arg")"); fi
     done
     echo "${quoted[*]}"
-    ((dry_run)) || "$@"
+    if ((dry_run)); then
+        [[ -z "$replace" ]] || exit 0  # nothing after an exec would run either
+        return 0
+    fi
+    $replace "$@"
 }
 
-torchrun_on_each_node() {  # torchrun ARGS..., under srun in SLURM mode: one torchrun per node
+torchrun_on_each_node() {  # [exec] ARGS...: torchrun, under srun in SLURM mode: one torchrun per node
+    local replace=
+    if [[ "$1" == exec ]]; then
+        replace=exec
+        shift
+    fi
     # A restarted worker must not find its predecessors' addresses in the store it would share with
     # the agent: with it shared, gloo workers failed to restart (pytorch/pytorch#135712).
     local command=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun "${rendezvous[@]}" --nproc-per-node="$nproc" "$@")
     if [[ "$mode" == slurm ]]; then
         command=(srun --nodes="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 "${command[@]}")
     fi
-    run "${command[@]}"
+    if [[ "$mode" != single ]] && ((!dry_run)); then
+        echo "launch_distributed.sh: waiting up to ${JOIN_TIMEOUT}s (JOIN_TIMEOUT) for $nodes nodes to join" \
+             "the rendezvous at $endpoint; a RendezvousTimeoutError means some did not" >&2
+    fi
+    run $replace "${command[@]}"
 }
 
 if ((check)); then
@@ -231,13 +251,11 @@ if [[ "$runner" == python ]]; then
         args=(--nproc "$NPROC_PER_NODE" "${args[@]}")
     fi
     if [[ "$mode" == slurm ]]; then
-        run srun --nodes=1 --ntasks=1 --kill-on-bad-exit=1 "$PYTHON" "$script" "${args[@]}"
-    else
-        run "$PYTHON" "$script" "${args[@]}"
+        run exec srun --nodes=1 --ntasks=1 --kill-on-bad-exit=1 "$PYTHON" "$script" "${args[@]}"
     fi
-    exit
+    run exec "$PYTHON" "$script" "${args[@]}"
 fi
 if ((MAX_RESTARTS > 0)) && [[ " $* " != *" --ckpt-dir"* ]]; then
     echo "launch_distributed.sh: note: without --ckpt-dir a restarted run starts again from step 0" >&2
 fi
-torchrun_on_each_node --max-restarts="$MAX_RESTARTS" "$script" "$@"
+torchrun_on_each_node exec --max-restarts="$MAX_RESTARTS" "$script" "$@"

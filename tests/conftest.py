@@ -60,8 +60,8 @@ def launch(*args, env=None, timeout=180, cwd=None):
 
 def run_command(argv, env=None, timeout=180, cwd=None):
     # Two cores are shared by every rank; the interpreter running the tests is the one the launcher finds.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               **(env or {}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     start = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd or ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

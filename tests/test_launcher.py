@@ -1,0 +1,230 @@
+"""launch_distributed.sh on one node: it trains, survives a killed worker, gives up on a broken one,
+times out a rendezvous nobody joins, checks communication, and prints its commands."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, launch, load, max_param_diff
+
+RESTART_STEPS = 48  # long enough that a worker killed after the first checkpoint (step 8) dies mid-run
+
+
+def environ(pid):
+    try:
+        items = (Path("/proc") / str(pid) / "environ").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return {}  # exited while we looked, or not ours to read
+    return dict(item.split("=", 1) for item in items if "=" in item)
+
+
+def tagged_processes(tag):
+    """{pid: environment} of the processes started under `tag` (an environment variable every descendant
+    inherits: torchrun starts its workers in sessions of their own, so a process group would miss them)."""
+    found = {int(p.name): environ(p.name) for p in Path("/proc").glob("[0-9]*")}
+    return {pid: env for pid, env in found.items() if env.get("LAUNCH_TEST_TAG") == tag}
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def injected(tmp_path, code):
+    """An environment whose Python processes run `code` at start-up (a sitecustomize module): how these
+    tests break one worker without a test hook in the scripts."""
+    (tmp_path / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": str(tmp_path)}
+
+
+def train_flags(out, steps=STEPS):
+    return [*TINY, "--max-steps", steps, "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb"]
+
+
+def test_single_node_launch_trains_like_torchrun(trained, tmp_path):
+    result = launch("ddp_torchrun.py", *train_flags(tmp_path))
+    assert result.returncode == 0, result.output
+    assert "torchrun --standalone --nproc-per-node=2 --max-restarts=3 ddp_torchrun.py" in result.output
+    assert "x world size 2" in result.output
+    assert not WARNING.search(result.output), result.output
+    # The same job as conftest's torchrun run: the same parameters, bit for bit.
+    assert max_param_diff(load(tmp_path / "ckpt")["model"], load(trained["ddp_torchrun.py"].ckpt_dir)["model"]) == 0
+
+
+def test_one_process_scripts_run_with_python(tmp_path):
+    result = launch("--dry-run", "single_gpu.py", "--max-steps", 5)
+    assert result.returncode == 0, result.output
+    assert result.output.splitlines()[-1] == "python single_gpu.py --max-steps 5"
+    result = launch("--dry-run", "ddp_spawn.py", env={"NPROC_PER_NODE": "3"})
+    assert result.output.splitlines()[-1] == "python ddp_spawn.py --nproc 3"
+    result = launch("ddp_spawn.py", env={"NNODES": "2", "MASTER_ADDR": "127.0.0.1"})
+    assert result.returncode == 1 and "ddp_spawn.py runs on one node" in result.output, result.output
+
+
+def test_killed_worker_restarts_and_resumes_exactly(tmp_path):
+    """SIGKILL one worker after the first checkpoint: torchrun restarts the group, it resumes from the
+    checkpoint, and the run ends where an uninterrupted one does, bit for bit."""
+    reference = launch("ddp_torchrun.py", *train_flags(tmp_path / "reference", RESTART_STEPS), timeout=240)
+    assert reference.returncode == 0, reference.output
+
+    out = tmp_path / "killed"
+    log = open(tmp_path / "killed.log", "w+")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               MAX_RESTARTS="2", LAUNCH_TEST_TAG=str(tmp_path))
+    proc = subprocess.Popen([str(LAUNCHER), "ddp_torchrun.py", *map(str, train_flags(out, RESTART_STEPS))], cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "ckpt" / "checkpoint.pt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, Path(log.name).read_text()
+            time.sleep(0.02)
+        workers = [pid for pid, env in tagged_processes(str(tmp_path)).items() if env.get("LOCAL_RANK") == "1"]
+        assert len(workers) == 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        resumed_at = None
+        while proc.poll() is None:
+            assert time.monotonic() < deadline + 120, Path(log.name).read_text()
+            if resumed_at is None and "resumed from" in Path(log.name).read_text():
+                resumed_at = time.monotonic()
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    output = Path(log.name).read_text()
+    assert proc.returncode == 0, output
+    assert "failed (exitcode: -9) local_rank: 1" in output, output  # torchrun saw the kill, and restarted:
+    assert resumed_at is not None, output
+    print(f"killed a worker after the first checkpoint; training resumed {resumed_at - killed_at:.1f}s later")
+
+    got, expected = load(out / "ckpt"), load(tmp_path / "reference" / "ckpt")
+    assert got["step"] == expected["step"] == RESTART_STEPS
+    assert all(torch.equal(got["model"][name], expected["model"][name]) for name in expected["model"])
+    assert torch.equal(torch.cat([s["exp_avg_sq"].flatten() for s in got["optimizer"]["state"].values()]),
+                       torch.cat([s["exp_avg_sq"].flatten() for s in expected["optimizer"]["state"].values()]))
+
+
+def test_worker_that_raises_fails_the_job_after_its_restarts(tmp_path):
+    """A bug restarts a bounded number of times, then the job exits non-zero and leaves no process behind."""
+    env = injected(tmp_path, "import os\nif os.environ.get('LOCAL_RANK') == '1':\n"
+                             "    import torch\n"
+                             "    clip, calls = torch.nn.utils.clip_grad_norm_, []\n"
+                             "    def failing_clip(*args, **kwargs):  # the third training step raises\n"
+                             "        calls.append(None)\n"
+                             "        if len(calls) == 3:\n"
+                             "            raise RuntimeError('injected failure in rank 1')\n"
+                             "        return clip(*args, **kwargs)\n"
+                             "    torch.nn.utils.clip_grad_norm_ = failing_clip\n")
+    proc = subprocess.Popen([str(LAUNCHER), "ddp_torchrun.py", *map(str, train_flags(tmp_path))], cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", MAX_RESTARTS="2", LAUNCH_TEST_TAG=str(tmp_path), **env,
+                                     PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    start = time.monotonic()
+    try:
+        output, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the failing job ran past 120 s:\n{proc.communicate()[0]}")
+    assert proc.returncode != 0, output
+    assert output.count("RuntimeError: injected failure in rank 1") == 3, output  # the first try and two restarts
+    print(f"failed after 2 restarts in {time.monotonic() - start:.1f}s")
+    time.sleep(1)  # a process that outlived the launcher would still be here now
+    assert not tagged_processes(str(tmp_path)), "processes outlived the job"
+
+
+def test_node_that_never_joins_times_out_clearly(tmp_path):
+    start = time.monotonic()
+    result = launch("ddp_torchrun.py", *train_flags(tmp_path),
+                    env={"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                         "JOIN_TIMEOUT": "5", "NPROC_PER_NODE": "1"}, timeout=60)
+    assert result.returncode != 0
+    assert "waiting up to 5s (JOIN_TIMEOUT) for 2 nodes" in result.output
+    assert result.output.rstrip().endswith("RendezvousTimeoutError"), result.output
+    assert result.seconds < 5 + 20, f"the join timeout is 5 s, the launcher gave up after {result.seconds:.0f} s"
+
+
+def test_check_passes_and_reports_bandwidth():
+    result = launch("--check")
+    assert result.returncode == 0, result.output
+    assert "check passed: world size 2 (1 node x 2 processes), backend gloo" in result.output
+    assert "all_reduce of 32 MiB:" in result.output and "GB/s" in result.output
+
+
+def test_check_names_the_rank_that_fails(tmp_path):
+    # Rank 1's all_reduce comes back off by one, as from a broken link or a bad GPU.
+    env = injected(tmp_path, "import os\nif os.environ.get('RANK') == '1':\n"
+                             "    import torch.distributed as dist\n"
+                             "    all_reduce = dist.all_reduce\n"
+                             "    dist.all_reduce = lambda tensor, *a, **k: (all_reduce(tensor, *a, **k), tensor.add_(1))[0]\n")
+    result = launch("--check", "ddp_torchrun.py", *train_flags(tmp_path), env=env)
+    assert result.returncode != 0, result.output
+    assert "check failed on rank 1:" in result.output
+    assert "rank 1 on" in result.output and "all_reduce gave 4, expected 3" in result.output
+    assert not (tmp_path / "ckpt").exists(), "training ran after a failed check"
+
+
+def test_dry_run_in_slurm_allocation(tmp_path):
+    # scontrol is SLURM's own; this stand-in expands the node list as it would (tests/test_slurm.py runs the real one).
+    (tmp_path / "scontrol").write_text("#!/bin/sh\nprintf 'localhost\\nn2\\n'\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost,n2", "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_GPUS_PER_NODE": "a100:4", "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    result = launch("--dry-run", "ddp_torchrun.py", "--batch-size", 64, "--ckpt-dir", "ckpt", env=slurm)
+    assert result.returncode == 0, result.output
+    assert result.output.splitlines()[-1] == (
+        "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+        "torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=localhost:24242 --rdzv-id=4242 "
+        "--rdzv-conf=join_timeout=300 --nproc-per-node=4 --max-restarts=3 ddp_torchrun.py --batch-size 64 --ckpt-dir ckpt")
+
+
+def test_slurm_mode_needs_a_job_id():
+    """Outside an allocation $SLURM_JOB_ID is empty: every torchrun would invent its own rendezvous id and wait."""
+    result = launch("ddp_torchrun.py", env={"SLURM_JOB_ID": "", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2"})
+    assert result.returncode == 1
+    assert result.output.strip() == ("launch_distributed.sh: error: SLURM variables are set but SLURM_JOB_ID is empty: "
+                                     "run this through sbatch or inside salloc")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"NNODES": "2"}, "NNODES=2 needs MASTER_ADDR"),
+    ({"NNODES": "2", "MASTER_ADDR": "no-such-host.invalid"}, "MASTER_ADDR no-such-host.invalid does not resolve"),
+    ({"MAX_RESTARTS": "lots"}, "MAX_RESTARTS must be a whole number, got 'lots'"),
+])
+def test_bad_environment_fails_at_once(env, message):
+    result = launch("ddp_torchrun.py", env=env, timeout=30)
+    assert result.returncode == 1
+    assert result.output.strip().startswith(f"launch_distributed.sh: error: {message}"), result.output
+
+
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(trained, tmp_path):
+    """Killed in the middle of writing the step-16 checkpoint, the run leaves step 8's intact; run
+    again, it resumes from there and ends where an uninterrupted run does."""
+    env = injected(tmp_path, "import os, signal, torch\nsave = torch.save\nsaves = []\n"
+                             "def torn_save(obj, f, *args, **kwargs):\n"
+                             "    saves.append(obj)\n"
+                             "    if len(saves) == 2:  # the second checkpoint: write part of it, then die\n"
+                             "        f.write(b'PK' * 1000)\n"
+                             "        f.flush()\n"
+                             "        os.kill(os.getpid(), signal.SIGKILL)\n"
+                             "    return save(obj, f, *args, **kwargs)\n"
+                             "torch.save = torn_save\n")
+    out = tmp_path / "run"
+    crashed = launch("ddp_torchrun.py", *train_flags(out), env=dict(env, MAX_RESTARTS="0"))
+    assert crashed.returncode != 0, crashed.output
+    assert (out / "ckpt" / "checkpoint.pt.tmp").exists(), "the crash did not happen while writing"
+    assert load(out / "ckpt")["step"] == 8
+
+    resumed = launch("ddp_torchrun.py", *train_flags(out))
+    assert resumed.returncode == 0, resumed.output
+    assert "resumed from" in resumed.output and "at step 8" in resumed.output
+    got, expected = load(out / "ckpt")["model"], load(trained["ddp_torchrun.py"].ckpt_dir)["model"]
+    assert max_param_diff(got, expected) <= PARAM_ATOL
