@@ -1,11 +1,13 @@
 """Helpers for the tests: run a script as a user would (a real subprocess, CPU and gloo) and read
 back what it wrote: console output, TensorBoard scalars, checkpoints."""
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,20 +60,83 @@ def launch(*args, env=None, timeout=180, cwd=None):
     return run_command([str(LAUNCHER)] + [str(a) for a in args], env=env, timeout=timeout, cwd=cwd)
 
 
-def run_command(argv, env=None, timeout=180, cwd=None):
+def environment(env=None):
     # Two cores are shared by every rank; the interpreter running the tests is the one the launcher finds.
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def run_command(argv, env=None, timeout=180, cwd=None):
+    env = environment(env)
+    env.setdefault("LAUNCH_TEST_TAG", f"{os.getpid()}-{time.monotonic_ns()}")
     start = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd or ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_all(proc, env["LAUNCH_TEST_TAG"])
         output, _ = proc.communicate()
         pytest.fail(f"{' '.join(map(str, argv))} ran past {timeout}s:\n{output}")
     return Run(proc.returncode, output, time.monotonic() - start)
+
+
+def tagged_processes(tag):
+    """{pid: environment} of the processes started with LAUNCH_TEST_TAG=tag, which every descendant
+    inherits: torchrun starts its workers in sessions of their own, where a process group would miss them."""
+    def environ(pid):
+        try:
+            items = (Path("/proc") / pid / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            return {}  # exited while we looked, or not ours to read
+        return dict(item.split("=", 1) for item in items if "=" in item)
+
+    found = {int(p.name): environ(p.name) for p in Path("/proc").glob("[0-9]*")}
+    return {pid: env for pid, env in found.items() if env.get("LAUNCH_TEST_TAG") == tag}
+
+
+def kill_all(proc, tag):
+    """Kill a job that hangs: its process group, and the torchrun workers that live in sessions of their own."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in tagged_processes(tag):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@dataclass
+class Killed:
+    run: Run
+    resumed_after: float | None  # seconds from the kill to the restarted run's "resumed from" line
+
+
+def kill_a_worker(argv, checkpoint, env=None, timeout=240):
+    """Start a torchrun job, SIGKILL its local rank 1 as soon as `checkpoint` exists, and let it finish."""
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    with tempfile.TemporaryFile("w+") as log:
+        start = time.monotonic()
+        proc = subprocess.Popen(argv, cwd=ROOT, env=environment({**(env or {}), "LAUNCH_TEST_TAG": tag}), stdout=log,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        killed_at = resumed_at = None
+        try:
+            while proc.poll() is None and time.monotonic() < start + timeout:
+                if killed_at is None and Path(checkpoint).exists():
+                    workers = [pid for pid, e in tagged_processes(tag).items() if e.get("LOCAL_RANK") == "1"]
+                    assert len(workers) == 1, workers
+                    os.kill(workers[0], signal.SIGKILL)
+                    killed_at = time.monotonic()
+                log.seek(0)
+                if killed_at and resumed_at is None and "resumed from" in log.read():
+                    resumed_at = time.monotonic()
+                time.sleep(0.02)
+        finally:
+            if proc.poll() is None:
+                kill_all(proc, tag)  # ran past the timeout: a hang
+            proc.wait()
+        log.seek(0)
+        output = log.read()
+    assert killed_at is not None, f"{checkpoint} never appeared:\n{output}"
+    return Killed(Run(proc.returncode, output, time.monotonic() - start), resumed_at and resumed_at - killed_at)
 
 
 def scalars(log_dir):

@@ -28,6 +28,12 @@ def test_batch_size_must_be_positive(script, batch_size):
     fails_cleanly(script, ["--batch-size", batch_size], f"--batch-size must be positive, got {batch_size}")
 
 
+@pytest.mark.parametrize("script", DISTRIBUTED)
+def test_timeout_must_be_positive(script):
+    # Zero would not mean "no timeout": every connection would give up at once.
+    fails_cleanly(script, ["--timeout", 0], "--timeout must be positive, got 0.0")
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_batch_size_must_split_evenly(script):
     # 6 sequences split into 2 micro-batches in one process, but not into 2 x 2 with two.

@@ -2,34 +2,16 @@
 times out a rendezvous nobody joins, checks communication, and prints its commands."""
 
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, launch, load, max_param_diff
+from conftest import (LAUNCHER, PARAM_ATOL, STEPS, TINY, WARNING, kill_a_worker, launch, load, max_param_diff,
+                      tagged_processes)
 
 RESTART_STEPS = 48  # long enough that a worker killed after the first checkpoint (step 8) dies mid-run
-
-
-def environ(pid):
-    try:
-        items = (Path("/proc") / str(pid) / "environ").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return {}  # exited while we looked, or not ours to read
-    return dict(item.split("=", 1) for item in items if "=" in item)
-
-
-def tagged_processes(tag):
-    """{pid: environment} of the processes started under `tag` (an environment variable every descendant
-    inherits: torchrun starts its workers in sessions of their own, so a process group would miss them)."""
-    found = {int(p.name): environ(p.name) for p in Path("/proc").glob("[0-9]*")}
-    return {pid: env for pid, env in found.items() if env.get("LAUNCH_TEST_TAG") == tag}
 
 
 def free_port():
@@ -76,35 +58,12 @@ def test_killed_worker_restarts_and_resumes_exactly(tmp_path):
     assert reference.returncode == 0, reference.output
 
     out = tmp_path / "killed"
-    log = open(tmp_path / "killed.log", "w+")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               MAX_RESTARTS="2", LAUNCH_TEST_TAG=str(tmp_path))
-    proc = subprocess.Popen([str(LAUNCHER), "ddp_torchrun.py", *map(str, train_flags(out, RESTART_STEPS))], cwd=ROOT,
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (out / "ckpt" / "checkpoint.pt").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, Path(log.name).read_text()
-            time.sleep(0.02)
-        workers = [pid for pid, env in tagged_processes(str(tmp_path)).items() if env.get("LOCAL_RANK") == "1"]
-        assert len(workers) == 1, workers
-        os.kill(workers[0], signal.SIGKILL)
-        killed_at = time.monotonic()
-        resumed_at = None
-        while proc.poll() is None:
-            assert time.monotonic() < deadline + 120, Path(log.name).read_text()
-            if resumed_at is None and "resumed from" in Path(log.name).read_text():
-                resumed_at = time.monotonic()
-            time.sleep(0.02)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    output = Path(log.name).read_text()
-    assert proc.returncode == 0, output
-    assert "failed (exitcode: -9) local_rank: 1" in output, output  # torchrun saw the kill, and restarted:
-    assert resumed_at is not None, output
-    print(f"killed a worker after the first checkpoint; training resumed {resumed_at - killed_at:.1f}s later")
+    killed = kill_a_worker([str(LAUNCHER), "ddp_torchrun.py", *map(str, train_flags(out, RESTART_STEPS))],
+                           out / "ckpt" / "checkpoint.pt", env={"MAX_RESTARTS": "2"})
+    assert killed.run.returncode == 0, killed.run.output
+    assert "failed (exitcode: -9) local_rank: 1" in killed.run.output, killed.run.output  # torchrun saw it
+    assert killed.resumed_after is not None, killed.run.output
+    print(f"killed a worker after the first checkpoint; training resumed {killed.resumed_after:.1f}s later")
 
     got, expected = load(out / "ckpt"), load(tmp_path / "reference" / "ckpt")
     assert got["step"] == expected["step"] == RESTART_STEPS
@@ -124,21 +83,13 @@ def test_worker_that_raises_fails_the_job_after_its_restarts(tmp_path):
                              "            raise RuntimeError('injected failure in rank 1')\n"
                              "        return clip(*args, **kwargs)\n"
                              "    torch.nn.utils.clip_grad_norm_ = failing_clip\n")
-    proc = subprocess.Popen([str(LAUNCHER), "ddp_torchrun.py", *map(str, train_flags(tmp_path))], cwd=ROOT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", MAX_RESTARTS="2", LAUNCH_TEST_TAG=str(tmp_path), **env,
-                                     PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    start = time.monotonic()
-    try:
-        output, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the failing job ran past 120 s:\n{proc.communicate()[0]}")
-    assert proc.returncode != 0, output
-    assert output.count("RuntimeError: injected failure in rank 1") == 3, output  # the first try and two restarts
-    print(f"failed after 2 restarts in {time.monotonic() - start:.1f}s")
+    tag = {"LAUNCH_TEST_TAG": str(tmp_path)}
+    result = launch("ddp_torchrun.py", *train_flags(tmp_path), env={"MAX_RESTARTS": "2", **env, **tag}, timeout=120)
+    assert result.returncode != 0, result.output
+    assert result.output.count("RuntimeError: injected failure in rank 1") == 3, result.output  # a try, two restarts
+    print(f"failed after 2 restarts in {result.seconds:.1f}s")
     time.sleep(1)  # a process that outlived the launcher would still be here now
-    assert not tagged_processes(str(tmp_path)), "processes outlived the job"
+    assert not tagged_processes(tag["LAUNCH_TEST_TAG"]), "processes outlived the job"
 
 
 def test_node_that_never_joins_times_out_clearly(tmp_path):
