@@ -230,7 +230,8 @@ torchrun_on_each_node() {  # [exec] ARGS...: torchrun, under srun in SLURM mode:
     # the agent: with it shared, gloo workers failed to restart (pytorch/pytorch#135712).
     local command=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun "${rendezvous[@]}" --nproc-per-node="$nproc" "$@")
     if [[ "$mode" == slurm ]]; then
-        command=(srun --nodes="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 "${command[@]}")
+        # --ntasks too: srun would otherwise take the job's task count (sbatch --ntasks=16) over --ntasks-per-node.
+        command=(srun --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 "${command[@]}")
     fi
     if [[ "$mode" != single ]] && ((!dry_run)); then
         echo "launch_distributed.sh: waiting up to ${JOIN_TIMEOUT}s (JOIN_TIMEOUT) for $nodes nodes to join" \

@@ -132,7 +132,7 @@ def test_dry_run_in_slurm_allocation(tmp_path):
     result = launch("--dry-run", "ddp_torchrun.py", "--batch-size", 64, "--ckpt-dir", "ckpt", env=slurm)
     assert result.returncode == 0, result.output
     assert result.output.splitlines()[-1] == (
-        "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+        "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
         "torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=localhost:24242 --rdzv-id=4242 "
         "--rdzv-conf=join_timeout=300 --nproc-per-node=4 --max-restarts=3 ddp_torchrun.py --batch-size 64 --ckpt-dir ckpt")
 

@@ -1,0 +1,193 @@
+"""launch_distributed.sh under a real Slurm: a private controller and two slurmd on this machine, emulating
+two nodes, run `sbatch launch_distributed.sh ddp_torchrun.py`, and the job trains exactly as torchrun does
+on one node. Needs root and Debian's slurmctld, slurmd, slurm-client and munge; skips without them."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, load, max_param_diff
+
+PROGRAMS = ["mungekey", "munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel"]
+# Nodes named by loopback addresses: the launcher makes the allocation's first node name the rendezvous
+# host, and these resolve on any machine, with no /etc/hosts entries and no MASTER_ADDR to bypass that code.
+NODES = ["127.0.0.1", "127.0.0.2"]
+JOB_NAME = "test_slurm"
+JOB_TIMEOUT = 180
+
+
+def free_ports(count):
+    """Ports nobody listens on, all different: each socket stays bound until every port is picked."""
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def wait_until(condition, seconds):
+    """Poll condition() until it holds (True) or `seconds` pass (False)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def running(pid):
+    # A daemon's parent is init, which in a container may never reap it: a zombie counts as exited.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # after "pid (command)"
+    except OSError:
+        return False
+
+
+def stop(pid_file):
+    """Stop the daemon whose PID pid_file holds, and wait until it has exited; never by name, as other
+    Slurm daemons may run on this machine."""
+    if not pid_file.exists():  # it never started, or it exited and removed the file
+        return
+    pid = int(pid_file.read_text())
+    for sig in signal.SIGTERM, signal.SIGKILL:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        if wait_until(lambda: not running(pid), 10):
+            return
+
+
+def daemon_logs(directory):
+    return "\n".join(f"==> {log.name} <==\n{log.read_text()}" for log in sorted(directory.glob("*.log")))
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A private Slurm cluster of two nodes on this machine, with its own munge key and socket, ports, state
+    and logs in a temporary directory; yields the environment that points Slurm's commands at it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run Slurm's and munge's daemons")
+    missing = [program for program in PROGRAMS if shutil.which(program) is None]
+    if missing:
+        pytest.skip(f"needs Slurm and munge ({', '.join(missing)} not found): "
+                    "apt-get install slurmctld slurmd slurm-client munge")
+    with tempfile.TemporaryDirectory(prefix="test_slurm-") as tmp:
+        tmp = Path(tmp)
+        tmp.chmod(0o755)  # munged refuses a socket that not every user can reach: any user's job needs it
+        controller_port, *node_ports = free_ports(1 + len(NODES))
+        node_lines = "\n".join(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=1 Port={port}"
+                               for name, port in zip(NODES, node_ports))
+        # CPUs=1: every machine has that many (a node configured with more CPUs than it has is drained).
+        # proctrack/linuxproc and task/none: no cgroups, which containers often lack. %n: the node's name.
+        # MinJobAge=5 makes sbatch --wait check on the job every 2 s; with the default, 300, it checks at 2, 10
+        # and 42 s, so a job done in 11 s would return at 42 s.
+        (tmp / "slurm.conf").write_text(f"""\
+ClusterName=test
+SlurmctldHost=localhost
+SlurmctldPort={controller_port}
+SlurmUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={tmp}/munge.socket
+StateSaveLocation={tmp}/state
+SlurmctldPidFile={tmp}/slurmctld.pid
+SlurmctldLogFile={tmp}/slurmctld.log
+SlurmdSpoolDir={tmp}/spool-%n
+SlurmdPidFile={tmp}/slurmd-%n.pid
+SlurmdLogFile={tmp}/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+MpiDefault=none
+JobCompType=jobcomp/none
+ReturnToService=2
+MinJobAge=5
+{node_lines}
+PartitionName=emulated Nodes=ALL Default=YES State=UP
+""")
+        (tmp / "state").mkdir()
+        # SLURM_CONF reaches every Slurm command, the job's srun and scontrol included (sbatch exports the
+        # environment). A SLURM_* or SBATCH_* variable of an allocation that runs these tests is not ours.
+        env = {name: value for name, value in os.environ.items() if not name.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+        env["SLURM_CONF"] = str(tmp / "slurm.conf")
+        daemons = {tmp / "munged.pid": ["munged", f"--socket={tmp}/munge.socket", f"--key-file={tmp}/munge.key",
+                                        f"--pid-file={tmp}/munged.pid", f"--log-file={tmp}/munged.log",
+                                        f"--seed-file={tmp}/munged.seed"],
+                   tmp / "slurmctld.pid": ["slurmctld"]}
+        for name in NODES:  # one slurmd per node, told which node it is
+            daemons[tmp / f"slurmd-{name}.pid"] = ["slurmd", "-N", name]
+
+        start = time.monotonic()
+        try:
+            subprocess.run(["mungekey", "--create", f"--keyfile={tmp}/munge.key"], check=True, capture_output=True,
+                           timeout=30)
+            for argv in daemons.values():  # each forks into the background, writes its PID file, and returns
+                started = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+                if started.returncode != 0:
+                    pytest.fail(f"{' '.join(argv)} failed: {started.stdout}{started.stderr}\n{daemon_logs(tmp)}")
+
+            def idle():
+                states = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%t"], env=env, capture_output=True,
+                                        text=True, timeout=10).stdout.split()
+                return states == ["idle"] * len(NODES)
+
+            if not wait_until(idle, 30):
+                pytest.fail(f"the Slurm nodes were not idle 30 s after starting:\n{daemon_logs(tmp)}")
+            version = subprocess.run(["sinfo", "--version"], env=env, capture_output=True, text=True, timeout=10)
+            print(f"\n{version.stdout.strip()}: nodes idle {time.monotonic() - start:.1f} s after starting")
+            yield env
+        finally:
+            start = time.monotonic()
+            for pid_file in reversed(daemons):  # the nodes, the controller, then munge
+                stop(pid_file)
+            print(f"\nSlurm and munge stopped in {time.monotonic() - start:.1f} s")
+
+
+def test_sbatch_trains_on_two_nodes_like_torchrun_on_one(slurm, trained, tmp_path):
+    # One process per node: a world of 2, the same as the one-node run of 2 processes it is compared with.
+    # MASTER_PORT: the launcher's default, 20000 + job id % 10000, is the same for every fresh cluster, so two
+    # runs of this test at once would meet in one rendezvous.
+    rendezvous_port = free_ports(1)[0]
+    # What conftest.run_command gives every script: one thread per rank, and this interpreter first on PATH.
+    env = dict(slurm, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{slurm['PATH']}",
+               NPROC_PER_NODE="1", MASTER_PORT=str(rendezvous_port))
+    job_output = tmp_path / "job.out"
+    # The node and task counts come from the launcher's #SBATCH lines, as for a user.
+    argv = ["sbatch", "--wait", "--parsable", f"--job-name={JOB_NAME}", f"--output={job_output}", f"--chdir={tmp_path}",
+            str(LAUNCHER), str(ROOT / "ddp_torchrun.py"), *TINY, "--max-steps", str(STEPS),
+            "--ckpt-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "tb")]
+    start = time.monotonic()
+    try:
+        sbatch = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        # Killing sbatch leaves the job running: cancel it, so that no rank outlives the test.
+        subprocess.run(["scancel", f"--name={JOB_NAME}"], env=env, timeout=30)
+        wait_until(lambda: not subprocess.run(["squeue", "--noheader", f"--name={JOB_NAME}"], env=env,
+                                              capture_output=True, text=True, timeout=10).stdout.strip(), 60)
+        pytest.fail(f"the job ran past {JOB_TIMEOUT} s:\n{job_output.read_text() if job_output.exists() else ''}")
+    seconds = time.monotonic() - start
+    output = job_output.read_text() if job_output.exists() else ""
+    assert sbatch.returncode == 0, f"{sbatch.stdout}{sbatch.stderr}\n{output}"
+
+    job_id = sbatch.stdout.strip()
+    srun = [line.split() for line in output.splitlines() if line.startswith("srun ")]
+    assert len(srun) == 1, output
+    assert {"--nodes=2", "--ntasks-per-node=1", "torchrun", "--nnodes=2", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={NODES[0]}:{rendezvous_port}", f"--rdzv-id={job_id}"} <= set(srun[0]), output
+    assert "x world size 2" in output, output
+
+    diff = max_param_diff(load(tmp_path / "ckpt")["model"], load(trained["ddp_torchrun.py"].ckpt_dir)["model"])
+    print(f"\nSLURM job {job_id} on nodes {', '.join(NODES)}: {seconds:.1f} s; largest parameter difference from "
+          f"one-node torchrun: {diff:.3g}")
+    assert diff <= PARAM_ATOL
