@@ -130,6 +130,7 @@ if [[ -n "$script" && ! -f "$script" ]]; then
 fi
 
 PYTHON=${PYTHON:-python}
+type -P "$PYTHON" >/dev/null || PYTHON=python3  # some systems have only python3
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 JOIN_TIMEOUT=${JOIN_TIMEOUT:-300}
 NNODES=${NNODES:-1}
@@ -166,16 +167,14 @@ gpus_here() {
 
 case "$mode" in
     single)
-        nproc=${NPROC_PER_NODE:-$(gpus_here)}
-        ((nproc > 0)) || nproc=2  # no GPU: two CPU processes, enough to see DDP at work
+        gpus=$(gpus_here)
         rendezvous=(--standalone)
         ;;
     multi)
         [[ -n "${MASTER_ADDR:-}" ]] || die "NNODES=$NNODES needs MASTER_ADDR, the host of the rendezvous"
         [[ "$runner" == torchrun ]] || die "$(basename -- "$script") runs on one node; use ddp_torchrun.py for NNODES > 1"
         resolve "$MASTER_ADDR"
-        nproc=${NPROC_PER_NODE:-$(gpus_here)}
-        ((nproc > 0)) || nproc=2
+        gpus=$(gpus_here)
         conf="join_timeout=$JOIN_TIMEOUT"
         if [[ -n "${NODE_RANK:-}" ]]; then
             conf+=",is_host=$( ((NODE_RANK == 0)) && echo true || echo false)"
@@ -195,13 +194,14 @@ case "$mode" in
         fi
         resolve "$head"
         gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
-        nproc=${NPROC_PER_NODE:-${gpus##*:}}  # SLURM_GPUS_PER_NODE may read "a100:4"
-        ((nproc > 0)) || nproc=2
+        gpus=${gpus##*:}  # SLURM_GPUS_PER_NODE may read "a100:4"
         endpoint=$head:${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
         rendezvous=(--nnodes="$nodes" --rdzv-backend=c10d --rdzv-endpoint="$endpoint"
                     --rdzv-id="$SLURM_JOB_ID" --rdzv-conf="join_timeout=$JOIN_TIMEOUT")
         ;;
 esac
+nproc=${NPROC_PER_NODE:-$gpus}
+((nproc > 0)) || nproc=2  # no GPU: two CPU processes, enough to see DDP at work
 
 run() {  # [exec] COMMAND...: print the command, copyable as it stands, and run it unless --dry-run
     local arg quoted=() replace=
