@@ -34,8 +34,9 @@ environment:
   NPROC_PER_NODE  processes per node (default: the node's GPUs; in SLURM, the allocation's; 2 on a CPU)
   NNODES          nodes taking part (default 1); more than 1 needs MASTER_ADDR
   MASTER_ADDR     host of the rendezvous, reachable from every node (SLURM: the allocation's first host)
-  MASTER_PORT     its port (default 29500; SLURM: 20000 + job id % 10000, so jobs sharing a host differ)
+  MASTER_PORT     its port, one per job on a host (default 29500; SLURM: 20000 + job id % 10000)
   NODE_RANK       0 on the node at MASTER_ADDR: it then hosts the rendezvous without guessing from its name
+                  (torchrun numbers the ranks itself: rank 0, which logs and checkpoints, may be on any node)
   RDZV_ID         name of the job, the same on every node (default: the script's name)
   JOIN_TIMEOUT    seconds to wait for every node to join (default 300)
   MAX_RESTARTS    times to restart the workers after one fails (default 3); with --ckpt-dir the restarted
@@ -156,10 +157,29 @@ else
     mode=single
 fi
 
-resolve() {  # fail now, not after the join timeout, when a host name does not resolve
-    "$PYTHON" -c 'import socket, sys; socket.getaddrinfo(sys.argv[1], None)' "$1" 2>/dev/null ||
-        die "MASTER_ADDR $1 does not resolve to an address from $(hostname): use a name or IP every node can reach"
-}
+# Fail now, not after the join timeout: the rendezvous host must resolve, and unless it is this machine,
+# so must this node's own name, to an address other nodes can reach: torchrun hands that name to them.
+CHECK_ADDRESSES='
+import ipaddress, socket, sys
+
+def addresses(host):
+    return {ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None)}
+
+error = "launch_distributed.sh: error: "
+try:
+    rendezvous = addresses(sys.argv[1])
+except OSError:
+    sys.exit(f"{error}MASTER_ADDR {sys.argv[1]} does not resolve to an address from {socket.gethostname()}: "
+             "use a name or IP every node can reach")
+name = socket.getfqdn(socket.gethostname())  # as torchrun names this node
+try:
+    own = addresses(name)
+except OSError:
+    own = set()
+if own and all(a.is_loopback for a in own) and not all(a.is_loopback for a in rendezvous):
+    sys.exit(f"{error}this node\x27s name {name} ({socket.gethostname()}) resolves to {min(own)}, which other nodes cannot reach "
+             "(a loopback address): map it to the node\x27s network address in /etc/hosts")
+'
 
 gpus_here() {
     "$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0
@@ -173,7 +193,7 @@ case "$mode" in
     multi)
         [[ -n "${MASTER_ADDR:-}" ]] || die "NNODES=$NNODES needs MASTER_ADDR, the host of the rendezvous"
         [[ "$runner" == torchrun ]] || die "$(basename -- "$script") runs on one node; use ddp_torchrun.py for NNODES > 1"
-        resolve "$MASTER_ADDR"
+        "$PYTHON" -c "$CHECK_ADDRESSES" "$MASTER_ADDR" || exit
         gpus=$(gpus_here)
         conf="join_timeout=$JOIN_TIMEOUT"
         if [[ -n "${NODE_RANK:-}" ]]; then
@@ -192,7 +212,7 @@ case "$mode" in
                 die "scontrol cannot list the hosts of job $SLURM_JOB_ID; set MASTER_ADDR to the first one"
             head=${hosts%%$'\n'*}
         fi
-        resolve "$head"
+        "$PYTHON" -c "$CHECK_ADDRESSES" "$head" || exit
         gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
         gpus=${gpus##*:}  # SLURM_GPUS_PER_NODE may read "a100:4"
         endpoint=$head:${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}

@@ -5,6 +5,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,15 @@ def run(script, *args, nproc=2, timeout=180, cwd=None):
     """Run a script to completion. A hang fails the test after `timeout` seconds, and the whole
     process group is killed so that no worker outlives it."""
     return run_command(command(script, nproc) + [str(a) for a in args], timeout=timeout, cwd=cwd)
+
+
+def free_ports(count=1):
+    """Ports nobody listens on, all different: each socket stays bound until every port is picked."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def launch(*args, env=None, timeout=180, cwd=None):

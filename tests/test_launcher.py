@@ -2,22 +2,15 @@
 times out a rendezvous nobody joins, checks communication, and prints its commands."""
 
 import os
-import socket
 import time
 
 import pytest
 import torch
 
-from conftest import (LAUNCHER, PARAM_ATOL, STEPS, TINY, WARNING, kill_a_worker, launch, load, max_param_diff,
-                      tagged_processes)
+from conftest import (LAUNCHER, PARAM_ATOL, STEPS, TINY, WARNING, free_ports, kill_a_worker, launch, load,
+                      max_param_diff, tagged_processes)
 
 RESTART_STEPS = 48  # long enough that a worker killed after the first checkpoint (step 8) dies mid-run
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def injected(tmp_path, code):
@@ -95,7 +88,7 @@ def test_worker_that_raises_fails_the_job_after_its_restarts(tmp_path):
 def test_node_that_never_joins_times_out_clearly(tmp_path):
     start = time.monotonic()
     result = launch("ddp_torchrun.py", *train_flags(tmp_path),
-                    env={"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                    env={"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_ports()[0]),
                          "JOIN_TIMEOUT": "5", "NPROC_PER_NODE": "1"}, timeout=60)
     assert result.returncode != 0
     assert "waiting up to 5s (JOIN_TIMEOUT) for 2 nodes" in result.output

@@ -5,7 +5,6 @@ on one node. Needs root and Debian's slurmctld, slurmd, slurm-client and munge; 
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, load, max_param_diff
+from conftest import LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, free_ports, load, max_param_diff
 
 PROGRAMS = ["mungekey", "munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel"]
 # Nodes named by loopback addresses: the launcher makes the allocation's first node name the rendezvous
@@ -22,17 +21,6 @@ PROGRAMS = ["mungekey", "munged", "slurmctld", "slurmd", "sbatch", "srun", "scon
 NODES = ["127.0.0.1", "127.0.0.2"]
 JOB_NAME = "test_slurm"
 JOB_TIMEOUT = 180
-
-
-def free_ports(count):
-    """Ports nobody listens on, all different: each socket stays bound until every port is picked."""
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 def wait_until(condition, seconds):
