@@ -226,7 +226,7 @@ nproc=${NPROC_PER_NODE:-$gpus}
 run() {  # [exec] COMMAND...: print the command, copyable as it stands, and run it unless --dry-run
     local arg quoted=() replace=
     if [[ "$1" == exec ]]; then
-        replace=exec  # the launcher becomes the command: signals (Ctrl-C, scancel) reach it directly
+        replace="exec"  # the launcher becomes the command: signals (Ctrl-C, scancel) reach it directly
         shift
     fi
     for arg in "$@"; do
@@ -243,7 +243,7 @@ run() {  # [exec] COMMAND...: print the command, copyable as it stands, and run 
 torchrun_on_each_node() {  # [exec] ARGS...: torchrun, under srun in SLURM mode: one torchrun per node
     local replace=
     if [[ "$1" == exec ]]; then
-        replace=exec
+        replace="exec"
         shift
     fi
     # A restarted worker must not find its predecessors' addresses in the store it would share with

@@ -2,13 +2,14 @@
 times out a rendezvous nobody joins, checks communication, and prints its commands."""
 
 import os
+import sys
 import time
 
 import pytest
 import torch
 
-from conftest import (LAUNCHER, PARAM_ATOL, STEPS, TINY, WARNING, free_ports, kill_a_worker, launch, load,
-                      max_param_diff, tagged_processes)
+from conftest import (LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, free_ports, kill_a_worker, launch, load,
+                      max_param_diff, run_command, tagged_processes)
 
 RESTART_STEPS = 48  # long enough that a worker killed after the first checkpoint (step 8) dies mid-run
 
@@ -85,8 +86,39 @@ def test_worker_that_raises_fails_the_job_after_its_restarts(tmp_path):
     assert not tagged_processes(tag["LAUNCH_TEST_TAG"]), "processes outlived the job"
 
 
+def test_stuck_rank_fails_the_job_within_its_timeout(tmp_path):
+    """A rank that stops taking part (alive, but never reaching the next all-reduce) ends the job after
+    --timeout: the other rank's collective times out, and torchrun stops the stuck one."""
+    env = injected(tmp_path, "import os\nif os.environ.get('LOCAL_RANK') == '1':\n"
+                             "    import time, torch\n"
+                             "    clip, calls = torch.nn.utils.clip_grad_norm_, []\n"
+                             "    def stuck_clip(*args, **kwargs):  # the third training step never ends\n"
+                             "        calls.append(None)\n"
+                             "        if len(calls) == 3:\n"
+                             "            time.sleep(3600)\n"
+                             "        return clip(*args, **kwargs)\n"
+                             "    torch.nn.utils.clip_grad_norm_ = stuck_clip\n")
+    tag = {"LAUNCH_TEST_TAG": str(tmp_path)}
+    result = launch("ddp_torchrun.py", *train_flags(tmp_path), "--timeout", 5, env={"MAX_RESTARTS": "0", **env, **tag},
+                    timeout=120)
+    assert result.returncode != 0, result.output
+    assert "Timed out waiting 5000ms" in result.output, result.output
+    assert result.seconds < 5 + 40, f"--timeout 5, yet the job ended after {result.seconds:.0f} s"
+    time.sleep(1)
+    assert not tagged_processes(tag["LAUNCH_TEST_TAG"]), "processes outlived the job"
+
+
+def test_peer_that_never_arrives_fails_within_the_timeout(tmp_path):
+    # Rank 0 of a world of 2 whose rank 1 never starts: no launcher, just the script and its --timeout.
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_ports()[0])}
+    result = run_command([sys.executable, str(ROOT / "ddp_torchrun.py"), *map(str, train_flags(tmp_path)), "--timeout", "5"],
+                         env=env, timeout=60)
+    assert result.returncode != 0, result.output
+    assert "waiting for clients. 1/2 clients joined" in result.output, result.output
+    assert result.seconds < 5 + 20, f"--timeout 5, yet the job ended after {result.seconds:.0f} s"
+
+
 def test_node_that_never_joins_times_out_clearly(tmp_path):
-    start = time.monotonic()
     result = launch("ddp_torchrun.py", *train_flags(tmp_path),
                     env={"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_ports()[0]),
                          "JOIN_TIMEOUT": "5", "NPROC_PER_NODE": "1"}, timeout=60)
