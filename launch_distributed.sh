@@ -267,14 +267,13 @@ fi
 [[ -n "$script" ]] || exit 0
 
 if [[ "$runner" == python ]]; then
-    args=("$@")
     if [[ "$(basename -- "$script")" == ddp_spawn.py && -n "${NPROC_PER_NODE:-}" ]]; then
-        args=(--nproc "$NPROC_PER_NODE" "${args[@]}")
+        set -- --nproc "$NPROC_PER_NODE" "$@"
     fi
     if [[ "$mode" == slurm ]]; then
-        run exec srun --nodes=1 --ntasks=1 --kill-on-bad-exit=1 "$PYTHON" "$script" "${args[@]}"
+        run exec srun --nodes=1 --ntasks=1 --kill-on-bad-exit=1 "$PYTHON" "$script" "$@"
     fi
-    run exec "$PYTHON" "$script" "${args[@]}"
+    run exec "$PYTHON" "$script" "$@"
 fi
 if ((MAX_RESTARTS > 0)) && [[ " $* " != *" --ckpt-dir"* ]]; then
     echo "launch_distributed.sh: note: without --ckpt-dir a restarted run starts again from step 0" >&2
