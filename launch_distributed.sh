@@ -101,9 +101,9 @@ seconds = (time.perf_counter() - start) / repeats
 dist.destroy_process_group()
 if rank == 0:
     nodes, per_node = int(os.environ["GROUP_WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    noun = "node" if nodes == 1 else "nodes"
+    noun = ("node" if nodes == 1 else "nodes") + " x " + str(per_node) + (" process" if per_node == 1 else " processes")
     bus_bandwidth = size_mib * 2**20 * 2 * (world_size - 1) / world_size / seconds / 1e9  # as nccl-tests count it
-    print(f"check passed: world size {world_size} ({nodes} {noun} x {per_node} processes), backend {backend}: "
+    print(f"check passed: world size {world_size} ({nodes} {noun}), backend {backend}: "
           "all_reduce and broadcast correct on every rank")
     print(f"all_reduce of {size_mib} MiB: {seconds * 1e3:.1f} ms, bus bandwidth {bus_bandwidth:.2f} GB/s")
 '
@@ -136,9 +136,10 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 JOIN_TIMEOUT=${JOIN_TIMEOUT:-300}
 NNODES=${NNODES:-1}
 for name in MAX_RESTARTS JOIN_TIMEOUT NNODES ${NPROC_PER_NODE:+NPROC_PER_NODE} ${NODE_RANK:+NODE_RANK} ${MASTER_PORT:+MASTER_PORT}; do
-    [[ "${!name}" =~ ^[0-9]+$ ]] || die "$name must be a whole number, got '${!name}'"
+    [[ "${!name}" =~ ^(0|[1-9][0-9]*)$ ]] || die "$name must be a whole number, got '${!name}'"
 done
 ((NNODES >= 1)) || die "NNODES must be at least 1"
+((${NPROC_PER_NODE:-1} >= 1)) || die "NPROC_PER_NODE must be at least 1"
 # One process (single_gpu.py, dataparallel.py) or its own processes (ddp_spawn.py): python, one node.
 case "$(basename -- "$script")" in
     single_gpu.py | dataparallel.py | ddp_spawn.py) runner=python ;;
@@ -158,7 +159,7 @@ else
 fi
 
 # Fail now, not after the join timeout: the rendezvous host must resolve, and unless it is this machine,
-# so must this node's own name, to an address other nodes can reach: torchrun hands that name to them.
+# gloo's workers need this node's own name to resolve to an address other nodes can reach.
 CHECK_ADDRESSES='
 import ipaddress, socket, sys
 
@@ -176,9 +177,11 @@ try:
     own = addresses(name)
 except OSError:
     own = set()
-if own and all(a.is_loopback for a in own) and not all(a.is_loopback for a in rendezvous):
-    sys.exit(f"{error}this node\x27s name {name} ({socket.gethostname()}) resolves to {min(own)}, which other nodes cannot reach "
-             "(a loopback address): map it to the node\x27s network address in /etc/hosts")
+gloo = sys.argv[2] == "0"  # no GPU here: gloo listens on the address this node\x27s name resolves to
+if gloo and own and all(a.is_loopback for a in own) and not all(a.is_loopback for a in rendezvous):
+    sys.exit(f"{error}this node\x27s name {name} ({socket.gethostname()}) resolves to {min(own, key=str)}, which other "
+             "nodes cannot reach (a loopback address): map it to the node\x27s network address in /etc/hosts, "
+             "or set GLOO_SOCKET_IFNAME to its network interface")
 '
 
 gpus_here() {
@@ -193,8 +196,8 @@ case "$mode" in
     multi)
         [[ -n "${MASTER_ADDR:-}" ]] || die "NNODES=$NNODES needs MASTER_ADDR, the host of the rendezvous"
         [[ "$runner" == torchrun ]] || die "$(basename -- "$script") runs on one node; use ddp_torchrun.py for NNODES > 1"
-        "$PYTHON" -c "$CHECK_ADDRESSES" "$MASTER_ADDR" || exit
         gpus=$(gpus_here)
+        "$PYTHON" -c "$CHECK_ADDRESSES" "$MASTER_ADDR" "$gpus" || exit
         conf="join_timeout=$JOIN_TIMEOUT"
         if [[ -n "${NODE_RANK:-}" ]]; then
             conf+=",is_host=$( ((NODE_RANK == 0)) && echo true || echo false)"
@@ -212,9 +215,10 @@ case "$mode" in
                 die "scontrol cannot list the hosts of job $SLURM_JOB_ID; set MASTER_ADDR to the first one"
             head=${hosts%%$'\n'*}
         fi
-        "$PYTHON" -c "$CHECK_ADDRESSES" "$head" || exit
-        gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
+        # GPUs of the allocation; with --gres=gpu:N neither variable is set, but this node's GPUs are its own.
+        gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-$(gpus_here)}}
         gpus=${gpus##*:}  # SLURM_GPUS_PER_NODE may read "a100:4"
+        "$PYTHON" -c "$CHECK_ADDRESSES" "$head" "$gpus" || exit
         endpoint=$head:${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
         rendezvous=(--nnodes="$nodes" --rdzv-backend=c10d --rdzv-endpoint="$endpoint"
                     --rdzv-id="$SLURM_JOB_ID" --rdzv-conf="join_timeout=$JOIN_TIMEOUT")

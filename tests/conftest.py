@@ -70,9 +70,18 @@ def launch(*args, env=None, timeout=180, cwd=None):
     return run_command([str(LAUNCHER)] + [str(a) for a in args], env=env, timeout=timeout, cwd=cwd)
 
 
+# What would change what the launcher does: the tests set these themselves, or run outside any allocation.
+LAUNCH_SETTINGS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "RDZV_ID", "JOIN_TIMEOUT",
+                   "MAX_RESTARTS", "PYTHON")
+
+
 def environment(env=None):
-    # Two cores are shared by every rank; the interpreter running the tests is the one the launcher finds.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    """This environment without a SLURM allocation's or the launcher's settings, plus `env`. Two cores are
+    shared by every rank, the interpreter running the tests is the one the launcher finds, and no GPU is used:
+    the tests check CPU and gloo."""
+    own = {name: value for name, value in os.environ.items()
+           if not name.startswith(("SLURM_", "SBATCH_", "SRUN_")) and name not in LAUNCH_SETTINGS}
+    env = {**own, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     return env
 
@@ -108,7 +117,8 @@ def tagged_processes(tag):
 
 def kill_all(proc, tag):
     """Kill a job that hangs: its process group, and the torchrun workers that live in sessions of their own."""
-    os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     for pid in tagged_processes(tag):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

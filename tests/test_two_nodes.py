@@ -73,7 +73,7 @@ def assert_trained_like_torchrun(nodes, out, trained, where):
 def assert_check_passed(nodes):
     output = "\n".join(node.output for node in nodes)
     assert all(node.returncode == 0 for node in nodes), output
-    assert "check passed: world size 2 (2 nodes x 1 processes), backend gloo" in output
+    assert "check passed: world size 2 (2 nodes x 1 process), backend gloo" in output
 
 
 def on_localhost(*args):
@@ -174,5 +174,5 @@ def test_node_whose_name_means_loopback_is_refused(namespaces, tmp_path):
     assert node.returncode == 1
     assert node.output.strip() == ("launch_distributed.sh: error: this node's name node1 (node1) resolves to 127.0.1.1, "
                                    "which other nodes cannot reach (a loopback address): map it to the node's network "
-                                   "address in /etc/hosts")
+                                   "address in /etc/hosts, or set GLOO_SOCKET_IFNAME to its network interface")
     assert node.seconds < 10
