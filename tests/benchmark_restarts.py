@@ -35,20 +35,20 @@ with tempfile.TemporaryDirectory() as tmp:
     reference = run_command(torchrun(tmp / "reference"), timeout=args.timeout)
     assert reference.returncode == 0, reference.output
     expected = load(tmp / "reference")["model"]
-    for shared in ["0", "1"]:
+    for disable in ["0", "1"]:
         recovered, latencies = 0, []
         for i in range(args.runs):
-            out = tmp / f"disable-{shared}-{i}"
-            killed = kill_a_worker(torchrun(out), out / "checkpoint.pt", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": shared},
+            out = tmp / f"disable-{disable}-{i}"
+            killed = kill_a_worker(torchrun(out), out / "checkpoint.pt", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": disable},
                                    timeout=args.timeout)
             exact = killed.run.returncode == 0 and all(torch.equal(load(out)["model"][k], v) for k, v in expected.items())
             recovered += exact
             if killed.resumed_after is not None:
                 latencies.append(killed.resumed_after)
             resumed = f"resumed {killed.resumed_after:.1f}s after the kill" if killed.resumed_after else "never resumed"
-            print(f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE={shared} run {i + 1}: exit {killed.run.returncode}, {resumed}, "
+            print(f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE={disable} run {i + 1}: exit {killed.run.returncode}, {resumed}, "
                   f"{'parameters equal' if exact else 'NOT RECOVERED'} ({killed.run.seconds:.0f}s)", flush=True)
             if not exact:
                 print("   last lines: " + " | ".join(killed.run.output.strip().splitlines()[-3:]), flush=True)
         median = f", kill to resume median {statistics.median(latencies):.1f}s" if latencies else ""
-        print(f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE={shared}: {recovered}/{args.runs} recovered{median}", flush=True)
+        print(f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE={disable}: {recovered}/{args.runs} recovered{median}", flush=True)

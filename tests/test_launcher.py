@@ -36,11 +36,12 @@ def test_single_node_launch_trains_like_torchrun(trained, tmp_path):
 
 
 def test_one_process_scripts_run_with_python(tmp_path):
-    result = launch("--dry-run", "single_gpu.py", "--max-steps", 5)
+    python = {"PYTHON": "python3"}  # what every Python installation has by that name
+    result = launch("--dry-run", "single_gpu.py", "--max-steps", 5, env=python)
     assert result.returncode == 0, result.output
-    assert result.output.splitlines()[-1] == "python single_gpu.py --max-steps 5"
-    result = launch("--dry-run", "ddp_spawn.py", env={"NPROC_PER_NODE": "3"})
-    assert result.output.splitlines()[-1] == "python ddp_spawn.py --nproc 3"
+    assert result.output.splitlines()[-1] == "python3 single_gpu.py --max-steps 5"
+    result = launch("--dry-run", "ddp_spawn.py", env={"NPROC_PER_NODE": "3", **python})
+    assert result.output.splitlines()[-1] == "python3 ddp_spawn.py --nproc 3"
     result = launch("ddp_spawn.py", env={"NNODES": "2", "MASTER_ADDR": "127.0.0.1"})
     assert result.returncode == 1 and "ddp_spawn.py runs on one node" in result.output, result.output
 
