@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,12 @@ def parse_args():
     parser.add_argument("--warmup-steps", type=int, default=30, help="steps of linear learning-rate warmup")
     parser.add_argument("--lr-decay-steps", type=int, help="cosine decay ends here (default: --max-steps)")
     parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm")
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm; 0 turns clipping off")
     parser.add_argument("--log-every", type=int, default=10, help="steps between console and TensorBoard logs")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
+    parser.add_argument("--eval-batches", type=int, default=20,
+                        help="validation batches of --batch-size sequences per pass, the first of the split "
+                             "(default 20: all of the built-in data's)")
     parser.add_argument("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]),
                         help="TensorBoard directory")
     parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint.pt here and resume from it (default: off)")
@@ -63,14 +67,22 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
     args = parser.parse_args()
-    for name in ["seq_len", "d_model", "n_layers", "n_heads", "batch_size", "grad_accum", "max_steps",
-                 "log_every", "eval_every", "ckpt_every", "timeout"]:
-        if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name, value in vars(args).items():  # every number but the seed: the rest would fail later, or train nothing
+        if type(value) in (int, float) and name != "seed":
+            may_be_zero = name in ("warmup_steps", "weight_decay", "grad_clip")
+            if not (math.isfinite(value) and (value >= 0 if may_be_zero else value > 0)):
+                fail(f"--{name.replace('_', '-')} must be {'zero or more' if may_be_zero else 'positive'}, got {value}")
     if args.d_model % args.n_heads:
         fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda, but no CUDA device is available")
+    for flag, path in [("--log-dir", args.log_dir), ("--ckpt-dir", args.ckpt_dir)]:
+        if path:  # checked now, not at the first checkpoint: the training until then would be lost
+            try:
+                os.makedirs(path, exist_ok=True)
+                tempfile.TemporaryFile(dir=path).close()
+            except OSError as e:
+                fail(f"{flag} {path} is not a directory this process can write to: {e.strerror}")
     args.lr_decay_steps = args.lr_decay_steps or args.max_steps
     return args
 
@@ -78,9 +90,12 @@ def parse_args():
 # -- data ---------------------------------------------------------------------
 
 
-def markov_sequences(num_seqs, seq_len, vocab_size=64, seed=1234):
-    """Sequences from a fixed random Markov chain: learnable, and its entropy rate is the lowest
-    loss any model can reach, so the log can show how close training gets."""
+def markov_sequences(seq_len, num_tokens=2**18, vocab_size=64, seed=1234):
+    """Sequences from a fixed random Markov chain, num_tokens in all: learnable, and its entropy rate
+    is the lowest loss any model can reach, so the log can show how close training gets."""
+    num_seqs = num_tokens // seq_len
+    if num_seqs < 10:
+        fail(f"--seq-len {seq_len} cuts the built-in data's {num_tokens:,} tokens into fewer than 10 sequences: use --data")
     gen = torch.Generator().manual_seed(seed)
     transitions = torch.softmax(3 * torch.randn(vocab_size, vocab_size, generator=gen, dtype=torch.float64), 1)
     stationary = torch.full((vocab_size,), 1 / vocab_size, dtype=torch.float64)
@@ -95,17 +110,32 @@ def markov_sequences(num_seqs, seq_len, vocab_size=64, seed=1234):
 
 
 def text_file_sequences(path, seq_len):
-    """Consecutive chunks of a file's bytes: a byte-level language model with a vocabulary of 256."""
+    """Consecutive chunks of a file's bytes: a byte-level language model with a vocabulary of 256.
+    The file is memory-mapped, not read: its bytes stay in the page cache, one copy for every
+    process on the machine."""
     if not os.path.isfile(path):
         fail(f"--data {path}: no such file")
-    with open(path, "rb") as f:
-        data = f.read()
-    num_seqs = (len(data) - 1) // seq_len
+    size = os.path.getsize(path)
+    num_seqs = (size - 1) // seq_len
     if num_seqs < 10:
-        fail(f"--data {path} has {len(data)} bytes; --seq-len {seq_len} needs at least {10 * seq_len + 1}")
-    tokens = torch.frombuffer(bytearray(data[: num_seqs * seq_len + 1]), dtype=torch.uint8).long()
+        fail(f"--data {path} has {size} bytes; --seq-len {seq_len} needs at least {10 * seq_len + 1}")
+    tokens = torch.from_file(path, size=num_seqs * seq_len + 1, dtype=torch.uint8)  # copy-on-write: never changes the file
     # Chunk i is tokens[i*seq_len : (i+1)*seq_len + 1]: neighbours share one token, the next target.
     return tokens.as_strided((num_seqs, seq_len + 1), (seq_len, 1)), 256, None
+
+
+class TokenSequences(Dataset):
+    """Row i of a (sequences, seq_len + 1) tensor of tokens as an (input, target) pair, the target
+    shifted by one token. Rows become int64 only when fetched: a file's bytes stay bytes in memory."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return self.tokens[i, :-1].long(), self.tokens[i, 1:].long()
 
 
 def build_datasets(args):
@@ -114,8 +144,8 @@ def build_datasets(args):
     if args.data:
         tokens, vocab_size, best_loss = text_file_sequences(args.data, args.seq_len)
     else:
-        tokens, vocab_size, best_loss = markov_sequences(4096, args.seq_len)
-    dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        tokens, vocab_size, best_loss = markov_sequences(args.seq_len)
+    dataset = TokenSequences(tokens)
     num_train = len(dataset) - len(dataset) // 10
     return Subset(dataset, range(num_train)), Subset(dataset, range(num_train, len(dataset))), vocab_size, best_loss
 
@@ -230,11 +260,17 @@ def train_step(model, optimizer, scheduler, micro_batches, args, device):
             loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()) / args.grad_accum
             loss.backward()
         total_loss += loss.detach()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    if args.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return total_loss
+
+
+def diverged(step, what):
+    """Stop a run whose numbers have blown up, before it can write them over the last good checkpoint."""
+    fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr or --grad-clip")
 
 
 # -- evaluation ---------------------------------------------------------------
@@ -283,8 +319,14 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
         found = state.get("config") if isinstance(state, dict) else None
         fail(f"{path} holds a model {found}, this run builds {asdict(config)}: match the flags or use another --ckpt-dir")
     model.load_state_dict(state["model"])
+    # The checkpoint says where training is; this run's flags say how it goes on. The saved groups hold
+    # the --lr and --weight-decay of the run that wrote them, and its device's kernel (fused=False on a CPU).
+    for saved, group in zip(state["optimizer"]["param_groups"], optimizer.param_groups):
+        saved.update({key: value for key, value in group.items() if key != "params"})
     optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    scheduler.load_state_dict({**state["scheduler"], "base_lrs": scheduler.base_lrs})
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(state["step"])  # this run's schedule at the saved step
     return state["step"]
 
 
@@ -306,8 +348,11 @@ def main(args):
     model = GPT(config).to(device)
     optimizer, scheduler = configure_optimizer(model, args, device)
     per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # sequences in one forward pass
+    num_val = len(val_set)
+    val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))  # the same for any world size
     log.info(f"device {device} | {sum(p.numel() for p in model.parameters()):,} parameters | "
-             f"{len(train_set)} train and {len(val_set)} validation sequences of {args.seq_len} tokens")
+             f"{len(train_set)} train sequences of {args.seq_len} tokens | {len(val_set)} of {num_val} validation "
+             f"sequences per evaluation")
     log.info(f"global batch {args.batch_size} = {per_process_batch_size} per process x {args.grad_accum} "
              f"accumulation steps x world size {world_size}")
     log.info(f"loss of a uniform guess: {math.log(vocab_size):.4f}" +
@@ -318,6 +363,10 @@ def main(args):
     if ckpt_path and os.path.exists(ckpt_path):
         step = load_checkpoint(ckpt_path, model, optimizer, scheduler, config, device)
         log.info(f"resumed from {ckpt_path} at step {step}")
+    steps = [None] * world_size
+    dist.all_gather_object(steps, step)  # ranks that resumed from different checkpoints, or none, would train apart
+    if len(set(steps)) > 1:
+        fail(f"the ranks resumed at steps {steps}: every node needs the same --ckpt-dir, on a filesystem they share")
     if step >= args.max_steps:
         log.info(f"{ckpt_path} is at step {step}: the run is finished (--max-steps {args.max_steps})")
         return
@@ -352,16 +401,21 @@ def main(args):
             metrics = {}
             if step % args.log_every == 0 or step == args.max_steps:
                 dist.all_reduce(loss.div_(world_size))  # the mean over ranks; a collective, so every rank calls it
+                train_loss = loss.item()  # waits for the device to finish: read before the clock
+                if not math.isfinite(train_loss):
+                    diverged(step, f"the loss is {train_loss}")
                 now = time.perf_counter()
                 tokens_per_sec = (step - last_step) * args.batch_size * args.seq_len / (now - last_time)
                 elapsed = datetime.timedelta(seconds=round(now - start_time))  # printed as h:mm:ss
                 left = datetime.timedelta(seconds=round((now - start_time) / (step - start_step) * (args.max_steps - step)))
-                metrics = {"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0],
+                metrics = {"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0],
                            "train/tokens_per_sec": tokens_per_sec}
-                log.info(f"step {step:>5} | loss {metrics['train/loss']:.4f} | lr {metrics['train/lr']:.2e} | "
+                log.info(f"step {step:>5} | loss {train_loss:.4f} | lr {metrics['train/lr']:.2e} | "
                          f"{tokens_per_sec:,.0f} tokens/s | {elapsed} elapsed, {left} left")
                 last_step, last_time = step, now
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
+                if not all(p.isfinite().all() for p in model.parameters()):
+                    diverged(step, "the weights are no longer finite")
                 if is_main_process:
                     save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written

@@ -2,6 +2,7 @@
 back what it wrote: console output, TensorBoard scalars, checkpoints."""
 
 import contextlib
+import importlib.util
 import os
 import re
 import signal
@@ -22,11 +23,15 @@ DISTRIBUTED = ["ddp_spawn.py", "ddp_torchrun.py"]
 LAUNCHER = ROOT / "launch_distributed.sh"
 
 # A tiny model and a short run: seconds on two shared cores, with gradient accumulation (so DDP's
-# no_sync path runs), a checkpoint half-way, and a validation pass at steps 0, 8 and 16.
+# no_sync path runs), a checkpoint half-way, and a validation pass at steps 0, 8 and 16. tiny.txt holds
+# 50 sequences of 16 bytes: 45 to train on, epochs of 5 steps, so a run crosses epoch boundaries at
+# steps 5, 10 and 15 and resumes mid-epoch at 8; and 5 to validate on, which 2 ranks cannot split
+# evenly. A seed other than 0, the default, shows a script that drops --seed somewhere.
 STEPS = 16
-TINY = ["--seq-len", "16", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--batch-size", "8",
-        "--grad-accum", "2", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "2", "--eval-every", "8",
-        "--ckpt-every", "8"]
+TINY_BUILT_IN = ["--seq-len", "16", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--batch-size", "8",
+                 "--grad-accum", "2", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "2", "--eval-every", "8",
+                 "--ckpt-every", "8"]
+TINY = [*TINY_BUILT_IN, "--data", str(ROOT / "tests" / "tiny.txt"), "--seed", "7"]
 
 # Python warnings ("UserWarning: ..."), and c10's C++ log lines at warning or error level ("[W1121 ..."
 # from a worker, "W1121 ..." from torchrun's agent).
@@ -63,6 +68,13 @@ def free_ports(count=1):
         for sock in sockets:
             sock.bind(("127.0.0.1", 0))
         return [sock.getsockname()[1] for sock in sockets]
+
+
+def injected(directory, code):
+    """An environment whose Python processes run `code` at start-up (a sitecustomize module in `directory`):
+    how the tests break or slow one process without a test hook in the scripts."""
+    (Path(directory) / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": str(directory)}
 
 
 def launch(*args, env=None, timeout=180, cwd=None):
@@ -157,6 +169,14 @@ def kill_a_worker(argv, checkpoint, env=None, timeout=240):
         output = log.read()
     assert killed_at is not None, f"{checkpoint} never appeared:\n{output}"
     return Killed(Run(proc.returncode, output, time.monotonic() - start), resumed_at and resumed_at - killed_at)
+
+
+def import_script(script):
+    """A script as a module, to call its functions: its main() runs only as a program."""
+    spec = importlib.util.spec_from_file_location(script[:-3], ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def scalars(log_dir):

@@ -2,15 +2,19 @@
 touches an existing checkpoint."""
 
 import hashlib
+import os
 import shutil
+import sys
+import tempfile
 
 import pytest
 
-from conftest import DISTRIBUTED, SCRIPTS, TINY, run
+from conftest import DISTRIBUTED, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, load, run, run_command
 
 
-def fails_cleanly(script, args, message, timeout=30):
-    result = run(script, *TINY, *args, timeout=timeout)
+def fails_cleanly(script, args, message, timeout=30, flags=TINY):
+    with tempfile.TemporaryDirectory() as log_dir:  # not runs/ in the repository; a test's own --log-dir comes later
+        result = run(script, *flags, "--log-dir", log_dir, *args, timeout=timeout)
     assert result.returncode != 0, result.output
     errors = [line for line in result.output.splitlines() if line.startswith(f"{script}: error: ")]
     assert any(message in line for line in errors), result.output
@@ -32,6 +36,73 @@ def test_batch_size_must_be_positive(script, batch_size):
 def test_timeout_must_be_positive(script):
     # Zero would not mean "no timeout": every connection would give up at once.
     fails_cleanly(script, ["--timeout", 0], "--timeout must be positive, got 0.0")
+
+
+# Every number that torch or the arithmetic would reject, or that would silently train nothing. The check
+# is the same code in every script (the tests above run it in each), so one script stands for all here:
+# single_gpu.py, and ddp_spawn.py for its own --timeout (checked before it starts any process).
+@pytest.mark.parametrize("script, flag, value, message", [
+    ("single_gpu.py", "--lr", -1, "--lr must be positive, got -1.0"),
+    ("single_gpu.py", "--lr", "nan", "--lr must be positive, got nan"),
+    ("single_gpu.py", "--lr", 0, "--lr must be positive, got 0.0"),
+    ("single_gpu.py", "--weight-decay", -0.1, "--weight-decay must be zero or more, got -0.1"),
+    ("single_gpu.py", "--grad-clip", -1, "--grad-clip must be zero or more, got -1.0"),
+    ("single_gpu.py", "--warmup-steps", -1, "--warmup-steps must be zero or more, got -1"),
+    ("single_gpu.py", "--lr-decay-steps", 0, "--lr-decay-steps must be positive, got 0"),
+    ("single_gpu.py", "--eval-batches", 0, "--eval-batches must be positive, got 0"),
+    ("ddp_spawn.py", "--timeout", "inf", "--timeout must be positive, got inf"),  # a timedelta would overflow
+])
+def test_numbers_out_of_range(script, flag, value, message):
+    fails_cleanly(script, [flag, value], message)
+
+
+# Where the check is code every script shares, single_gpu.py and ddp_torchrun.py (each of its ranks checks,
+# and all must stop) stand for the others.
+ONE_AND_DDP = ["single_gpu.py", "ddp_torchrun.py"]
+
+
+@pytest.mark.parametrize("script", ONE_AND_DDP)
+def test_sequences_longer_than_the_built_in_data(script):
+    # The built-in data has 262,144 tokens at any --seq-len: 100,000 would make 2 sequences. Refused at
+    # once, not after generating them (which took minutes when the data was sized by sequences).
+    fails_cleanly(script, ["--seq-len", 100_000], "--seq-len 100000 cuts the built-in data's 262,144 tokens into "
+                  "fewer than 10 sequences", flags=TINY_BUILT_IN)
+
+
+@pytest.mark.parametrize("script", ONE_AND_DDP)
+def test_checkpoint_directory_that_is_a_file_is_refused_before_training(script, tmp_path):
+    path = tmp_path / "ckpt"
+    path.write_text("a file, not a directory")
+    result = fails_cleanly(script, ["--ckpt-dir", path, "--log-dir", tmp_path / "tb"],
+                           f"--ckpt-dir {path} is not a directory this process can write to: File exists")
+    assert "step " not in result.output, "trained before refusing"
+    assert path.read_text() == "a file, not a directory"
+
+
+def test_checkpoint_directory_that_cannot_be_written_is_refused(tmp_path):
+    """A directory that exists but takes no files: read-only to this user, or, for root (whom permissions do
+    not stop), a read-only filesystem mounted over it in a mount namespace of the run's own."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    command = [sys.executable, str(ROOT / "single_gpu.py"), *TINY, "--ckpt-dir", str(ckpt), "--log-dir", str(tmp_path)]
+    if os.geteuid() != 0:
+        ckpt.chmod(0o555)
+    elif shutil.which("unshare") and run_command(["unshare", "--mount", "true"], timeout=30).returncode == 0:
+        command = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o ro tmpfs "$1" && shift && exec "$@"', "sh",
+                   str(ckpt), *command]
+    else:
+        pytest.skip("root, and no mount namespace (unshare --mount) to make a read-only directory in")
+    result = run_command(command, timeout=30)
+    assert result.returncode == 1, result.output
+    assert result.output.strip().splitlines()[-1].startswith(
+        f"single_gpu.py: error: --ckpt-dir {ckpt} is not a directory this process can write to: "), result.output
+    assert "step " not in result.output
+
+
+def test_log_directory_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "tb").write_text("")
+    fails_cleanly("single_gpu.py", ["--log-dir", tmp_path / "tb"],
+                  f"--log-dir {tmp_path / 'tb'} is not a directory this process can write to: File exists")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -77,3 +148,33 @@ def test_checkpoint_of_another_model_size_is_reported_and_kept(trained, script, 
     fails_cleanly(script, ["--d-model", 64, "--ckpt-dir", tmp_path, "--log-dir", tmp_path, "--max-steps", 32],
                   "'d_model': 32")
     assert digest(ckpt) == before
+
+
+@pytest.mark.parametrize("script", ONE_AND_DDP)
+def test_diverging_run_stops_and_keeps_the_last_checkpoint(trained, script, tmp_path):
+    """A run that resumes a good checkpoint with a learning rate that blows up stops at the first logged
+    non-finite loss, names the step and what to try, and leaves the checkpoint as it was. Run again as the
+    message says, with a lower --lr, it resumes from that checkpoint and trains to the end."""
+    ckpt = tmp_path / "checkpoint.pt"
+    shutil.copy(trained["single_gpu.py"].ckpt_dir / "checkpoint.pt", ckpt)
+    before = digest(ckpt)
+    flags = ["--ckpt-dir", tmp_path, "--log-dir", tmp_path / "tb", "--max-steps", 2 * STEPS]
+    result = fails_cleanly(script, ["--lr", 1e6, *flags], "the loss is nan at step ")
+    assert "try a lower --lr or --grad-clip" in result.output
+    assert digest(ckpt) == before
+
+    result = run(script, *TINY, *flags)  # TINY's --lr
+    assert result.returncode == 0, result.output
+    assert f"at step {STEPS}" in result.output and load(tmp_path)["step"] == 2 * STEPS
+
+
+@pytest.mark.parametrize("script", ONE_AND_DDP)
+def test_weights_that_blow_up_are_never_checkpointed(script, tmp_path):
+    """With --lr 1e30 the first step leaves huge but finite weights (checkpointed), and the second
+    non-finite ones: the run stops at that checkpoint, before the loss is next logged (step 3), and keeps
+    step 1's."""
+    fails_cleanly(script, ["--lr", 1e30, "--log-every", 3, "--ckpt-every", 1, "--ckpt-dir", tmp_path,
+                           "--log-dir", tmp_path / "tb"], "the weights are no longer finite at step 2")
+    state = load(tmp_path)
+    assert state["step"] == 1
+    assert all(weights.isfinite().all() for weights in state["model"].values())

@@ -1,9 +1,13 @@
 """Every script trains, agrees with single_gpu.py, validates exactly and resumes exactly."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from conftest import DISTRIBUTED, PARAM_ATOL, SCRIPTS, STEPS, TINY, WARNING, load, max_param_diff, run, scalars
+from conftest import (DISTRIBUTED, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, WARNING, import_script,
+                      load, max_param_diff, run, scalars)
 
 LOSS_ATOL = 1e-5
 
@@ -32,7 +36,7 @@ def test_trains_logs_and_checkpoints(trained, script):
     assert {"model", "optimizer", "scheduler", "step", "config"} <= ckpt.keys()
     assert ckpt["step"] == STEPS
     assert not any(name.startswith("module.") for name in ckpt["model"]), list(ckpt["model"])
-    assert ckpt["config"] == {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2}
+    assert ckpt["config"] == {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2}
 
 
 @pytest.mark.parametrize("script", SCRIPTS[1:])
@@ -49,10 +53,10 @@ def test_same_parameters_and_losses_as_single_gpu(trained, script):
 @pytest.mark.parametrize("script", DISTRIBUTED)
 def test_validation_is_exact_across_ranks(trained, script):
     """Step 0: every script holds the same initial weights, so 1 and 2 processes must agree on the
-    whole validation split (409 sequences, which 2 ranks cannot split evenly)."""
+    whole validation split (5 sequences, which 2 ranks cannot split evenly)."""
     reference, other = trained["single_gpu.py"], trained[script]
-    assert "409 validation sequences" in reference.run.output
-    assert "409 validation sequences" in other.run.output
+    assert "5 of 5 validation sequences per evaluation" in reference.run.output
+    assert "5 of 5 validation sequences per evaluation" in other.run.output
     expected, got = scalars(reference.log_dir), scalars(other.log_dir)
     # Only the grouping of the fp32 per-batch sums differs (accumulated in fp64).
     assert got["val/loss"][0] == pytest.approx(expected["val/loss"][0], rel=1e-6)
@@ -100,3 +104,95 @@ def test_checkpoints_move_between_scripts(trained, tmp_path):
         assert result.returncode == 0, result.output
         assert load(ckpt_dir)["step"] == quarter * STEPS // 4
     assert max_param_diff(load(ckpt_dir)["model"], load(trained["single_gpu.py"].ckpt_dir)["model"]) <= PARAM_ATOL
+
+
+def test_bounded_evaluation_is_the_same_on_any_number_of_ranks(tmp_path):
+    """--eval-batches 3 evaluates the first 3 global batches (24) of the built-in data's 1638 validation
+    sequences, the same ones on 1 and on 2 processes."""
+    results = {}
+    for script in ["single_gpu.py", "ddp_torchrun.py"]:
+        result = run(script, *TINY_BUILT_IN, "--max-steps", 1, "--eval-batches", 3, "--log-dir", tmp_path / script)
+        assert result.returncode == 0, result.output
+        assert "24 of 1638 validation sequences per evaluation" in result.output, result.output
+        results[script] = scalars(tmp_path / script)
+    expected, got = results["single_gpu.py"], results["ddp_torchrun.py"]
+    assert got["val/loss"][0] == pytest.approx(expected["val/loss"][0], rel=1e-6)
+    assert got["val/accuracy"][0] == expected["val/accuracy"][0]
+
+
+def test_grad_clip_zero_turns_clipping_off(tmp_path):
+    """0 means no clipping, not a clip to zero (which would zero every gradient): the weights are those
+    of a clip that no gradient reaches, bit for bit."""
+    weights = {}
+    for clip in ["0", "1e9"]:
+        result = run("single_gpu.py", *TINY, "--max-steps", 4, "--grad-clip", clip, "--ckpt-dir", tmp_path / clip,
+                     "--log-dir", tmp_path / "tb")
+        assert result.returncode == 0, result.output
+        weights[clip] = load(tmp_path / clip)["model"]
+    assert all(torch.equal(weights["0"][name], weights["1e9"][name]) for name in weights["0"])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("saved_fused", [False, True])
+def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_path):
+    """A checkpoint written on a CPU holds fused=False in its parameter groups; resumed on a GPU, the
+    optimizer must still run the fused kernel that this run built it with (and a GPU's checkpoint on a
+    CPU, the other way round). Fused AdamW runs on CPUs too, so both directions are checked here."""
+    module = import_script(script)
+    config = module.ModelConfig(vocab_size=16, seq_len=4, d_model=8, n_layers=1, n_heads=2)
+    tokens = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(0))
+
+    def build(fused):
+        torch.manual_seed(0)
+        model = module.GPT(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    def train_one_step(model, optimizer, scheduler):
+        model(tokens).logsumexp(-1).mean().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+    saved = build(fused=saved_fused)
+    train_one_step(*saved)
+    path = str(tmp_path / "checkpoint.pt")
+    module.save_checkpoint(path, *saved, 1, config)
+
+    model, optimizer, scheduler = build(fused=not saved_fused)
+    assert module.load_checkpoint(path, model, optimizer, scheduler, config, torch.device("cpu")) == 1
+    assert [group["fused"] for group in optimizer.param_groups] == [not saved_fused]
+    for param, saved_param in zip(model.parameters(), saved[0].parameters()):  # Adam's moments arrived
+        for key in "exp_avg", "exp_avg_sq":
+            assert torch.equal(optimizer.state[param][key], saved[1].state[saved_param][key])
+    train_one_step(model, optimizer, scheduler)  # and the kernel runs with them
+    assert all(optimizer.state[param]["step"].item() == 2 for param in model.parameters())
+
+
+def test_text_file_is_mapped_not_copied(tmp_path):
+    """--data leaves the file's bytes in the page cache, one copy that every process of a node shares,
+    instead of reading them into int64 tensors of its own (8 bytes per byte: 320 MB per process for
+    this 40 MB file). The data section is every script's, so single_gpu.py stands for them all."""
+    data = tmp_path / "corpus.bin"
+    data.write_bytes(torch.randint(0, 256, (40 * 2**20,), dtype=torch.uint8).numpy().tobytes())
+    code = f"""
+import argparse, sys
+sys.path.insert(0, {str(ROOT)!r})
+import single_gpu
+
+def resident(kind):  # bytes of this process's memory: RssAnon its own, RssFile mapped from files
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(kind + ":")) * 1024
+
+before = resident("RssAnon"), resident("RssFile")
+train, val, vocab_size, _ = single_gpu.build_datasets(argparse.Namespace(data={str(data)!r}, seq_len=64))
+for dataset in train, val:
+    for i in range(0, len(dataset), 64):  # 64 sequences of 64 bytes: one from every 4 KiB page of the file
+        dataset[i]
+print(resident("RssAnon") - before[0], resident("RssFile") - before[1])
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    own, mapped = map(int, result.stdout.split())
+    print(f"40 MiB --data file: {own / 2**20:.1f} MiB of this process's own memory, {mapped / 2**20:.1f} MiB mapped")
+    assert own < 4 * 2**20, f"{own / 2**20:.0f} MiB copied into the process"
+    assert mapped > 36 * 2**20, f"only {mapped / 2**20:.0f} MiB of the file mapped: was it read some other way?"
