@@ -4,7 +4,8 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --output=%x-%j.out
 # The lines above are sbatch's directives: one task per node, which runs one torchrun, which starts
-# that node's workers. Ask for GPUs on sbatch's command line (--gpus-per-node=8), where clusters differ.
+# that node's workers. Ask for GPUs and CPUs on sbatch's command line, where clusters differ:
+# --gpus-per-node=8 --cpus-per-task=64 (the task's CPUs are shared by all workers of its node).
 
 usage() {
     cat <<'EOF'
@@ -20,7 +21,7 @@ The mode comes from the environment:
                       = torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=node1:29500 --rdzv-id=... ...
   SLURM (SLURM_JOB_ID is set)
                       sbatch launch_distributed.sh ddp_torchrun.py, or inside salloc
-                      = srun --kill-on-bad-exit=1 --ntasks-per-node=1 torchrun --rdzv-endpoint=<first host>:PORT
+                      = srun --ntasks-per-node=1 --cpus-per-task=<the job's> torchrun --rdzv-endpoint=<first host>:PORT
                         --rdzv-id=$SLURM_JOB_ID ... (one torchrun per node)
 single_gpu.py and dataparallel.py (one process) and ddp_spawn.py (starts its own) run with python.
 
@@ -222,10 +223,20 @@ case "$mode" in
         endpoint=$head:${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
         rendezvous=(--nnodes="$nodes" --rdzv-backend=c10d --rdzv-endpoint="$endpoint"
                     --rdzv-id="$SLURM_JOB_ID" --rdzv-conf="join_timeout=$JOIN_TIMEOUT")
+        # CPUs for each node's task, torchrun and all its workers: sbatch's --cpus-per-task, else all the job
+        # holds on its smallest node (SLURM_JOB_CPUS_PER_NODE reads like "72(x2),36"). srun is told explicitly:
+        # since Slurm 22.05 it no longer inherits --cpus-per-task, and where the cluster binds tasks to CPUs
+        # a node's workers would all share one core.
+        # shellcheck disable=SC2001  # a regular expression, which ${var//...} is not
+        cpus=${SLURM_CPUS_PER_TASK:-$(sed 's/([^)]*)//g' <<<"${SLURM_JOB_CPUS_PER_NODE:-1}" | tr , '\n' | sort -n | head -n 1)}
         ;;
 esac
 nproc=${NPROC_PER_NODE:-$gpus}
 ((nproc > 0)) || nproc=2  # no GPU: two CPU processes, enough to see DDP at work
+if [[ "$mode" == slurm ]] && [[ "$runner" == torchrun || $check == 1 ]] && ((cpus < nproc)); then
+    echo "launch_distributed.sh: note: this job holds $cpus CPU(s) per node for $nproc processes each;" \
+         "ask sbatch for more with --cpus-per-task=N (or --exclusive)" >&2
+fi
 
 run() {  # [exec] COMMAND...: print the command, copyable as it stands, and run it unless --dry-run
     local arg quoted=() replace=
@@ -255,7 +266,8 @@ torchrun_on_each_node() {  # [exec] ARGS...: torchrun, under srun in SLURM mode:
     local command=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun "${rendezvous[@]}" --nproc-per-node="$nproc" "$@")
     if [[ "$mode" == slurm ]]; then
         # --ntasks too: srun would otherwise take the job's task count (sbatch --ntasks=16) over --ntasks-per-node.
-        command=(srun --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 "${command[@]}")
+        command=(srun --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --cpus-per-task="$cpus" --kill-on-bad-exit=1
+                 "${command[@]}")
     fi
     if [[ "$mode" != single ]] && ((!dry_run)); then
         echo "launch_distributed.sh: waiting up to ${JOIN_TIMEOUT}s (JOIN_TIMEOUT) for $nodes nodes to join" \
@@ -275,7 +287,7 @@ if [[ "$runner" == python ]]; then
         set -- --nproc "$NPROC_PER_NODE" "$@"
     fi
     if [[ "$mode" == slurm ]]; then
-        run exec srun --nodes=1 --ntasks=1 --kill-on-bad-exit=1 "$PYTHON" "$script" "$@"
+        run exec srun --nodes=1 --ntasks=1 --cpus-per-task="$cpus" --kill-on-bad-exit=1 "$PYTHON" "$script" "$@"
     fi
     run exec "$PYTHON" "$script" "$@"
 fi

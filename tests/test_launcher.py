@@ -8,17 +8,10 @@ import time
 import pytest
 import torch
 
-from conftest import (LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, free_ports, kill_a_worker, launch, load,
-                      max_param_diff, run_command, tagged_processes)
+from conftest import (LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, free_ports, injected, kill_a_worker, launch,
+                      load, max_param_diff, run_command, tagged_processes)
 
 RESTART_STEPS = 48  # long enough that a worker killed after the first checkpoint (step 8) dies mid-run
-
-
-def injected(tmp_path, code):
-    """An environment whose Python processes run `code` at start-up (a sitecustomize module): how these
-    tests break one worker without a test hook in the scripts."""
-    (tmp_path / "sitecustomize.py").write_text(code)
-    return {"PYTHONPATH": str(tmp_path)}
 
 
 def train_flags(out, steps=STEPS):
@@ -149,18 +142,37 @@ def test_check_names_the_rank_that_fails(tmp_path):
     assert not (tmp_path / "ckpt").exists(), "training ran after a failed check"
 
 
-def test_dry_run_in_slurm_allocation(tmp_path):
+# The CPUs each node's task gets: sbatch's --cpus-per-task, else the fewest the job holds on a node.
+@pytest.mark.parametrize("cpus, expected", [({"SLURM_CPUS_PER_TASK": "16", "SLURM_JOB_CPUS_PER_NODE": "72(x2)"}, 16),
+                                            ({"SLURM_JOB_CPUS_PER_NODE": "72,36"}, 36),
+                                            ({"SLURM_JOB_CPUS_PER_NODE": "72(x2)"}, 72)])
+def test_dry_run_in_slurm_allocation(tmp_path, cpus, expected):
     # scontrol is SLURM's own; this stand-in expands the node list as it would (tests/test_slurm.py runs the real one).
     (tmp_path / "scontrol").write_text("#!/bin/sh\nprintf 'localhost\\nn2\\n'\n")
     (tmp_path / "scontrol").chmod(0o755)
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost,n2", "SLURM_JOB_NUM_NODES": "2",
-             "SLURM_GPUS_PER_NODE": "a100:4", "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+             "SLURM_GPUS_PER_NODE": "a100:4", "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", **cpus}
     result = launch("--dry-run", "ddp_torchrun.py", "--batch-size", 64, "--ckpt-dir", "ckpt", env=slurm)
     assert result.returncode == 0, result.output
     assert result.output.splitlines()[-1] == (
-        "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-        "torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=localhost:24242 --rdzv-id=4242 "
-        "--rdzv-conf=join_timeout=300 --nproc-per-node=4 --max-restarts=3 ddp_torchrun.py --batch-size 64 --ckpt-dir ckpt")
+        f"srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task={expected} --kill-on-bad-exit=1 "
+        "env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 --rdzv-backend=c10d "
+        "--rdzv-endpoint=localhost:24242 --rdzv-id=4242 --rdzv-conf=join_timeout=300 --nproc-per-node=4 "
+        "--max-restarts=3 ddp_torchrun.py --batch-size 64 --ckpt-dir ckpt")
+    assert "note: this job holds" not in result.output
+
+
+def test_slurm_job_with_one_cpu_per_node_is_told(tmp_path):
+    """sbatch without --cpus-per-task often gets one CPU per node: 4 workers would share it."""
+    (tmp_path / "scontrol").write_text("#!/bin/sh\nprintf 'localhost\\nn2\\n'\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost,n2", "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_GPUS_PER_NODE": "4", "SLURM_JOB_CPUS_PER_NODE": "1(x2)",
+             "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    result = launch("--dry-run", "ddp_torchrun.py", "--ckpt-dir", "ckpt", env=slurm)
+    assert result.returncode == 0, result.output
+    assert ("launch_distributed.sh: note: this job holds 1 CPU(s) per node for 4 processes each; ask sbatch for "
+            "more with --cpus-per-task=N (or --exclusive)") in result.output
 
 
 def test_slurm_mode_needs_a_job_id():
@@ -180,6 +192,36 @@ def test_bad_environment_fails_at_once(env, message):
     result = launch("ddp_torchrun.py", env=env, timeout=30)
     assert result.returncode == 1
     assert result.output.strip().startswith(f"launch_distributed.sh: error: {message}"), result.output
+
+
+def test_rank_that_fails_just_after_a_checkpoint_does_not_lose_it(tmp_path):
+    """Rank 0 takes 3 s to write the step-8 checkpoint; rank 1 fails in the first thing it does after the
+    checkpoint (validation at step 8). The barrier after the save holds rank 1 until the checkpoint is
+    written: without it, rank 1 would fail at once, torchrun would stop rank 0 mid-save, and the job would
+    lose its checkpoint. Whatever the timing, with the barrier the checkpoint is there."""
+    env = injected(tmp_path, "import os\n"
+                             "if os.environ.get('RANK') == '0':\n"
+                             "    import time, torch\n"
+                             "    save = torch.save\n"
+                             "    def slow_save(*args, **kwargs):\n"
+                             "        time.sleep(3)\n"
+                             "        return save(*args, **kwargs)\n"
+                             "    torch.save = slow_save\n"
+                             "if os.environ.get('RANK') == '1':\n"
+                             "    import torch, torch.nn.functional as F\n"
+                             "    zero_grad, cross_entropy, steps = torch.optim.Optimizer.zero_grad, F.cross_entropy, []\n"
+                             "    def counting_zero_grad(self, *args, **kwargs):  # called once, at the end of each step\n"
+                             "        steps.append(None)\n"
+                             "        return zero_grad(self, *args, **kwargs)\n"
+                             "    def failing_cross_entropy(*args, **kwargs):\n"
+                             "        if len(steps) == 8:\n"
+                             "            raise RuntimeError('injected failure in rank 1 after step 8')\n"
+                             "        return cross_entropy(*args, **kwargs)\n"
+                             "    torch.optim.Optimizer.zero_grad, F.cross_entropy = counting_zero_grad, failing_cross_entropy\n")
+    result = launch("ddp_torchrun.py", *train_flags(tmp_path), env={"MAX_RESTARTS": "0", **env})
+    assert result.returncode != 0, result.output
+    assert "injected failure in rank 1 after step 8" in result.output, result.output
+    assert load(tmp_path / "ckpt")["step"] == 8
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(trained, tmp_path):

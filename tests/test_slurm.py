@@ -3,6 +3,7 @@ two nodes, run `sbatch launch_distributed.sh ddp_torchrun.py`, and the job train
 on one node. Needs root and Debian's slurmctld, slurmd, slurm-client and munge; skips without them."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, free_ports, load, max_param_diff
+from conftest import LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, free_ports, injected, load, max_param_diff
 
 PROGRAMS = ["mungekey", "munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel"]
 # Nodes named by loopback addresses: the launcher makes the allocation's first node name the rendezvous
@@ -21,6 +22,9 @@ PROGRAMS = ["mungekey", "munged", "slurmctld", "slurmd", "sbatch", "srun", "scon
 NODES = ["127.0.0.1", "127.0.0.2"]
 JOB_NAME = "test_slurm"
 JOB_TIMEOUT = 180
+# CPUs per emulated node: both nodes are this machine, and a node configured with more CPUs than the
+# machine has is drained. Two, where there are, so that a job's worker bound to one CPU shows.
+CPUS = min(2, len(os.sched_getaffinity(0)))
 
 
 def wait_until(condition, seconds):
@@ -74,10 +78,10 @@ def slurm():
         tmp = Path(tmp)
         tmp.chmod(0o755)  # munged refuses a socket that not every user can reach: any user's job needs it
         controller_port, *node_ports = free_ports(1 + len(NODES))
-        node_lines = "\n".join(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=1 Port={port}"
+        node_lines = "\n".join(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 CPUs={CPUS} Port={port}"
                                for name, port in zip(NODES, node_ports))
-        # CPUs=1: every machine has that many (a node configured with more CPUs than it has is drained).
-        # proctrack/linuxproc and task/none: no cgroups, which containers often lack. %n: the node's name.
+        # proctrack/linuxproc: no cgroups, which containers often lack. task/affinity binds a job's tasks to
+        # the CPUs they were given (with sched_setaffinity), as clusters do. %n: the node's name.
         # MinJobAge=5 makes sbatch --wait check on the job every 2 s; with the default, 300, it checks at 2, 10
         # and 42 s, so a job done in 11 s would return at 42 s.
         (tmp / "slurm.conf").write_text(f"""\
@@ -95,7 +99,7 @@ SlurmdSpoolDir={tmp}/spool-%n
 SlurmdPidFile={tmp}/slurmd-%n.pid
 SlurmdLogFile={tmp}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 SelectType=select/cons_tres
 MpiDefault=none
 JobCompType=jobcomp/none
@@ -148,12 +152,19 @@ def test_sbatch_trains_on_two_nodes_like_torchrun_on_one(slurm, trained, tmp_pat
     # runs of this test at once would meet in one rendezvous.
     rendezvous_port = free_ports(1)[0]
     # What conftest.run_command gives every script: one thread per rank, and this interpreter first on PATH.
+    # SLURM_CPU_BIND=cores: tasks bound to their CPUs, as on clusters that enforce it, where a task that srun
+    # gives one CPU (its default since Slurm 22.05 ignores the job's --cpus-per-task) binds every worker to it.
+    # Each worker reports the CPUs it may run on.
     env = dict(slurm, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{slurm['PATH']}",
-               NPROC_PER_NODE="1", MASTER_PORT=str(rendezvous_port))
+               NPROC_PER_NODE="1", MASTER_PORT=str(rendezvous_port), SLURM_CPU_BIND="cores",
+               **injected(tmp_path, "import os\nif 'LOCAL_RANK' in os.environ:\n"
+                                    "    print(f'rank {os.environ[\"RANK\"]} may run on CPUs {sorted(os.sched_getaffinity(0))}', "
+                                    "flush=True)\n"))
     job_output = tmp_path / "job.out"
-    # The node and task counts come from the launcher's #SBATCH lines, as for a user.
+    # The node and task counts come from the launcher's #SBATCH lines, as for a user; the CPUs, as the
+    # launcher's header says, from sbatch's command line.
     argv = ["sbatch", "--wait", "--parsable", f"--job-name={JOB_NAME}", f"--output={job_output}", f"--chdir={tmp_path}",
-            str(LAUNCHER), str(ROOT / "ddp_torchrun.py"), *TINY, "--max-steps", str(STEPS),
+            f"--cpus-per-task={CPUS}", str(LAUNCHER), str(ROOT / "ddp_torchrun.py"), *TINY, "--max-steps", str(STEPS),
             "--ckpt-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "tb")]
     start = time.monotonic()
     try:
@@ -171,9 +182,13 @@ def test_sbatch_trains_on_two_nodes_like_torchrun_on_one(slurm, trained, tmp_pat
     job_id = sbatch.stdout.strip()
     srun = [line.split() for line in output.splitlines() if line.startswith("srun ")]
     assert len(srun) == 1, output
-    assert {"--nodes=2", "--ntasks-per-node=1", "torchrun", "--nnodes=2", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={NODES[0]}:{rendezvous_port}", f"--rdzv-id={job_id}"} <= set(srun[0]), output
+    assert {"--nodes=2", "--ntasks-per-node=1", f"--cpus-per-task={CPUS}", "torchrun", "--nnodes=2",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={NODES[0]}:{rendezvous_port}", f"--rdzv-id={job_id}"} <= set(srun[0])
     assert "x world size 2" in output, output
+    affinity = dict(re.findall(r"^rank (\d) may run on CPUs (\[.*\])$", output, re.MULTILINE))
+    print(f"\nworkers' CPUs: {affinity}")
+    assert sorted(affinity) == ["0", "1"], output
+    assert all(len(cpus.split(",")) == CPUS for cpus in affinity.values()), affinity
 
     diff = max_param_diff(load(tmp_path / "ckpt")["model"], load(trained["ddp_torchrun.py"].ckpt_dir)["model"])
     print(f"\nSLURM job {job_id} on nodes {', '.join(NODES)}: {seconds:.1f} s; largest parameter difference from "
