@@ -29,12 +29,13 @@ ADDRESSES = {"node1": "10.77.0.1", "node2": "10.77.0.2"}  # private to the names
 # How a multi-node job can end, through no fault of its own (pytorch/pytorch#123678): after the last step
 # every node's torchrun closes the rendezvous in the store that the host node's torchrun keeps, and the host
 # may close it and exit first. A node that comes later finds the store gone: it logs TCPStore's C++ warning
-# with a stack (one per failed store call), then that it "has failed to shutdown the rendezvous", and exits
-# 0 all the same. That message, at the very end of a node's output, is the only one a test lets through.
+# with a stack (one per failed store call; torch 2.4 logs none), then that it "has failed to shutdown the
+# rendezvous" (twice in torch 2.4), and exits 0 all the same. That message, at the very end of a node's
+# output, is the only one a test lets through.
 SHUTDOWN_RACE = re.compile(
-    r"(^\[W\d{4} [\d:.]+ TCPStore\.cpp:\d+\] \[c10d\] \w+ failed on SocketImpl\(.*?\n\n)+"
-    r"^W\d{4} [\d:.]+ \d+ \S+/dynamic_rendezvous\.py:\d+\] The node '\S+' has failed to shutdown the rendezvous "
-    r"'\S+' due to an error of type RendezvousConnectionError\.\n\Z", re.MULTILINE | re.DOTALL)
+    r"(^\[W\d{4} [\d:.]+ TCPStore\.cpp:\d+\] \[c10d\] \w+ failed on SocketImpl\(.*?\n\n)*"
+    r"(^W\d{4} [\d:.]+ \d+ \S+/dynamic_rendezvous\.py:\d+\] The node '\S+' has failed to shutdown the rendezvous "
+    r"'\S+' due to an error of type RendezvousConnectionError\.\n)+\Z", re.MULTILINE | re.DOTALL)
 
 
 def warnings(output):
@@ -241,4 +242,5 @@ def test_node_whose_name_means_loopback_is_refused(namespaces, tmp_path):
     assert node.output.strip() == ("launch_distributed.sh: error: this node's name node1 (node1) resolves to 127.0.1.1, "
                                    "which other nodes cannot reach (a loopback address): map it to the node's network "
                                    "address in /etc/hosts, or set GLOO_SOCKET_IFNAME to its network interface")
-    assert node.seconds < 10
+    # The bound tells "at once" from a wait for the join timeout (60 s), with room for a busy machine.
+    assert node.seconds < 30, f"refused after {node.seconds:.0f} s, not at once"
