@@ -1,0 +1,122 @@
+"""Delete, one at a time, each line that a script exists to teach, run the tests that should notice, and
+print which deletions they catch. STYLE.md asks for this after any change to a script's strategy lines or
+to the tests: a line is guarded only if deleting it fails a test. Not a test itself (pytest does not
+collect it): it runs parts of the suite 17 times, about 12 minutes on two cores.
+
+    python tests/check_deletions.py [SUBSTRING]   # only the deletions whose line contains SUBSTRING
+
+A deletion that no test can catch says why in the table below: such a line changes cost, not results.
+"""
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (file, the line's text, what replaces it (None: `pass`), the tests that should fail, or why none can).
+TRAINING, BAD_INPUT = "tests/test_training.py", "tests/test_bad_input.py"
+DELETIONS = [
+    ("ddp_torchrun.py", "sampler.set_epoch(step // steps_per_epoch)", None, TRAINING),
+    ("ddp_torchrun.py", "DistributedSampler(train_set, seed=args.seed, drop_last=True)",
+     "sampler = DistributedSampler(train_set, drop_last=True)", TRAINING),
+    ("ddp_torchrun.py", "step % steps_per_epoch * args.grad_accum, None)",  # the skip after a resume
+     "micro_batches = iter(train_loader)", TRAINING),
+    ("ddp_torchrun.py", "dist.all_reduce(totals)", None, TRAINING),
+    ("ddp_torchrun.py", "dist.all_reduce(loss.div_(world_size))", None, TRAINING),
+    ("ddp_torchrun.py", "dist.barrier()", None, "tests/test_launcher.py::test_rank_that_fails_just_after_a_checkpoint_does_not_lose_it"),
+    ("ddp_torchrun.py", "fail(f\"the ranks resumed at steps", None,
+     "tests/test_two_nodes.py::test_nodes_that_resume_from_different_checkpoints_stop"),
+    ("ddp_torchrun.py", "level=logging.INFO if is_main_process else logging.WARNING",
+     'logging.basicConfig(format="%(message)s", level=logging.INFO, stream=sys.stdout)', TRAINING),
+    ("ddp_torchrun.py", "atexit.register(dist.destroy_process_group)", None,
+     "not on a CPU: an error exit without it leaves nothing gloo shows; NCCL warns that the group was not destroyed"),
+    ("ddp_torchrun.py", "with model.no_sync() if micro_step < args.grad_accum - 1", "if True:",
+     "speed only: without no_sync every micro-step all-reduces, and the sum is the same up to rounding"),
+    ("ddp_torchrun.py", "val_set = Subset(val_set, range(rank, len(val_set), world_size))", None,
+     "speed only: every rank evaluates every sequence, and the all-reduced sums and counts double alike"),
+    ("ddp_torchrun.py", "os._exit(0)", None,
+     "rare: it avoids an abort at exit seen in 6 of 50 runs (README, troubleshooting); 16-step runs rarely show it"),
+    ("single_gpu.py", "sampler.generator.manual_seed(args.seed + step // steps_per_epoch)", None, TRAINING),
+    ("single_gpu.py", "diverged(step, \"the weights are no longer finite\")", None,
+     f"{BAD_INPUT}::test_weights_that_blow_up_are_never_checkpointed"),
+    ("single_gpu.py", "diverged(step, f\"the loss is {train_loss}\")", None,
+     f"{BAD_INPUT}::test_diverging_run_stops_and_keeps_the_last_checkpoint"),
+    ("single_gpu.py", "saved.update({key: value for key, value in group.items() if key != \"params\"})", None,
+     f"{TRAINING}::test_resumed_optimizer_runs_this_devices_kernel"),
+    ("single_gpu.py", "if args.grad_clip:", "if True:", f"{TRAINING}::test_grad_clip_zero_turns_clipping_off"),
+    ("single_gpu.py", "val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))", None,
+     f"{TRAINING}::test_bounded_evaluation_is_the_same_on_any_number_of_ranks"),
+    ("single_gpu.py", "tokens = torch.from_file(path, size=num_seqs * seq_len + 1, dtype=torch.uint8)",
+     "tokens = torch.frombuffer(bytearray(open(path, 'rb').read()[: num_seqs * seq_len + 1]), dtype=torch.uint8).long()",
+     f"{TRAINING}::test_text_file_is_mapped_not_copied"),
+    ("single_gpu.py", "tempfile.TemporaryFile(dir=path).close()", None,
+     f"{BAD_INPUT}::test_checkpoint_directory_that_cannot_be_written_is_refused"),
+    ("launch_distributed.sh", "--ntasks-per-node=1 --cpus-per-task=\"$cpus\"", "--ntasks-per-node=1",
+     "tests/test_slurm.py"),
+]
+
+
+def copy_of_the_repository(destination):
+    """The files git would commit, as they are now: tracked and new, not ignored."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.split("\n")
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, destination / name)
+
+
+def delete(path, text, replacement):
+    """Replace the one line (or call over several lines) that holds `text` with `replacement`, or with
+    `pass`, at the line's indentation; in a shell script, replace just the text."""
+    source = path.read_text()
+    assert source.count(text) == 1, f"{path.name}: {text!r} found {source.count(text)} times"
+    if path.suffix == ".sh":
+        path.write_text(source.replace(text, replacement))
+        return
+    lines = source.splitlines(keepends=True)
+    [index] = [i for i, line in enumerate(lines) if text in line]
+    indent = lines[index][: len(lines[index]) - len(lines[index].lstrip())]
+    end = index + 1
+    while lines[index].count("(") > lines[index].count(")") and end < len(lines):  # a call over several lines
+        lines[index] += lines[end]
+        del lines[end]
+    lines[index] = f"{indent}{replacement or 'pass'}\n"
+    path.write_text("".join(lines))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("only", nargs="?", default="", help="run only the deletions whose line contains this")
+    args = parser.parse_args()
+    results = []
+    for file, text, replacement, tests in DELETIONS:
+        if args.only not in text:
+            continue
+        if not tests.startswith("tests/"):
+            results.append((file, text, "not tested", tests))
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / "repo"
+            copy_of_the_repository(copy)
+            delete(copy / file, text, replacement)
+            start = time.monotonic()
+            run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests.split()],
+                                 cwd=copy, capture_output=True, text=True)
+            verdict = "caught" if run.returncode == 1 else "MISSED" if run.returncode == 0 else f"pytest exit {run.returncode}"
+            failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")][:1]
+            results.append((file, text, verdict, f"{tests} ({time.monotonic() - start:.0f} s) {' '.join(failed)}"))
+        print(f"{results[-1][2]:<10} {file}: {text}", flush=True)
+    print()
+    for file, text, verdict, detail in results:
+        print(f"{verdict:<10} {file}: {text}\n           {detail}")
+    sys.exit(1 if any(verdict not in ("caught", "not tested") for _, _, verdict, _ in results) else 0)
+
+
+if __name__ == "__main__":
+    main()
