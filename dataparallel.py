@@ -57,7 +57,7 @@ def parse_args():
     parser.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
     parser.add_argument("--eval-batches", type=int, default=20,
                         help="validation batches of --batch-size sequences per pass, the first of the split "
-                             "(default 20: all of the built-in data's)")
+                             "(default 20: at the default --seq-len and --batch-size, all of the built-in data's)")
     parser.add_argument("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]),
                         help="TensorBoard directory")
     parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint.pt here and resume from it (default: off)")
@@ -65,11 +65,12 @@ def parse_args():
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    for name, value in vars(args).items():  # every number but the seed: the rest would fail later, or train nothing
-        if type(value) in (int, float) and name != "seed":
-            may_be_zero = name in ("warmup_steps", "weight_decay", "grad_clip")
-            if not (math.isfinite(value) and (value >= 0 if may_be_zero else value > 0)):
-                fail(f"--{name.replace('_', '-')} must be {'zero or more' if may_be_zero else 'positive'}, got {value}")
+    zero_or_more = ["warmup_steps", "weight_decay", "grad_clip"]  # 0 turns each off; every other number must be positive
+    for name, value in vars(args).items():  # the seed may be any integer: the rest would fail later, or train nothing
+        if type(value) not in (int, float) or name == "seed":
+            continue
+        if not math.isfinite(value) or value < 0 or (value == 0 and name not in zero_or_more):
+            fail(f"--{name.replace('_', '-')} must be {'zero or more' if name in zero_or_more else 'positive'}, got {value}")
     if args.d_model % args.n_heads:
         fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
     if args.batch_size % args.grad_accum:
@@ -260,7 +261,8 @@ def train_step(model, optimizer, scheduler, micro_batches, args, device):
 
 def diverged(step, what):
     """Stop a run whose numbers have blown up, before it can write them over the last good checkpoint."""
-    fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr or --grad-clip")
+    fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr, or clipping "
+         f"with a lower --grad-clip")
 
 
 # -- evaluation ---------------------------------------------------------------
@@ -394,7 +396,7 @@ def main(args):
                          f"{tokens_per_sec:,.0f} tokens/s | {elapsed} elapsed, {left} left")
                 last_step, last_time = step, now
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
-                if not all(p.isfinite().all() for p in model.parameters()):
+                if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device
                     diverged(step, "the weights are no longer finite")
                 save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)
                 log.info(f"step {step:>5} | saved {ckpt_path}")

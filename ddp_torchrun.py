@@ -58,7 +58,7 @@ def parse_args():
     parser.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
     parser.add_argument("--eval-batches", type=int, default=20,
                         help="validation batches of --batch-size sequences per pass, the first of the split "
-                             "(default 20: all of the built-in data's)")
+                             "(default 20: at the default --seq-len and --batch-size, all of the built-in data's)")
     parser.add_argument("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]),
                         help="TensorBoard directory")
     parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint.pt here and resume from it (default: off)")
@@ -67,11 +67,12 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
     args = parser.parse_args()
-    for name, value in vars(args).items():  # every number but the seed: the rest would fail later, or train nothing
-        if type(value) in (int, float) and name != "seed":
-            may_be_zero = name in ("warmup_steps", "weight_decay", "grad_clip")
-            if not (math.isfinite(value) and (value >= 0 if may_be_zero else value > 0)):
-                fail(f"--{name.replace('_', '-')} must be {'zero or more' if may_be_zero else 'positive'}, got {value}")
+    zero_or_more = ["warmup_steps", "weight_decay", "grad_clip"]  # 0 turns each off; every other number must be positive
+    for name, value in vars(args).items():  # the seed may be any integer: the rest would fail later, or train nothing
+        if type(value) not in (int, float) or name == "seed":
+            continue
+        if not math.isfinite(value) or value < 0 or (value == 0 and name not in zero_or_more):
+            fail(f"--{name.replace('_', '-')} must be {'zero or more' if name in zero_or_more else 'positive'}, got {value}")
     if args.d_model % args.n_heads:
         fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -270,7 +271,8 @@ def train_step(model, optimizer, scheduler, micro_batches, args, device):
 
 def diverged(step, what):
     """Stop a run whose numbers have blown up, before it can write them over the last good checkpoint."""
-    fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr or --grad-clip")
+    fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr, or clipping "
+         f"with a lower --grad-clip")
 
 
 # -- evaluation ---------------------------------------------------------------
@@ -366,7 +368,7 @@ def main(args):
     steps = [None] * world_size
     dist.all_gather_object(steps, step)  # ranks that resumed from different checkpoints, or none, would train apart
     if len(set(steps)) > 1:
-        fail(f"the ranks resumed at steps {steps}: every node needs the same --ckpt-dir, on a filesystem they share")
+        fail(f"ranks resumed at different steps {sorted(set(steps))}: all must read one checkpoint, in a shared --ckpt-dir")
     if step >= args.max_steps:
         log.info(f"{ckpt_path} is at step {step}: the run is finished (--max-steps {args.max_steps})")
         return
@@ -379,7 +381,7 @@ def main(args):
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     metrics, micro_batches = {}, None
-    ddp_model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)  # saves a grad copy
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)  # grads reuse bucket memory
     with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer:
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
@@ -414,7 +416,7 @@ def main(args):
                          f"{tokens_per_sec:,.0f} tokens/s | {elapsed} elapsed, {left} left")
                 last_step, last_time = step, now
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
-                if not all(p.isfinite().all() for p in model.parameters()):
+                if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device
                     diverged(step, "the weights are no longer finite")
                 if is_main_process:
                     save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)

@@ -26,8 +26,8 @@ def sections(script):
             for i, m in enumerate(marks)}
 
 
-def changed_lines(script):
-    diff = subprocess.run(["diff", str(ROOT / "single_gpu.py"), str(ROOT / script)], capture_output=True, text=True)
+def changed_lines(script, against="single_gpu.py"):
+    diff = subprocess.run(["diff", str(ROOT / against), str(ROOT / script)], capture_output=True, text=True)
     assert diff.returncode in (0, 1), diff.stderr
     return sum(line.startswith(("<", ">")) for line in diff.stdout.splitlines())
 
@@ -43,10 +43,20 @@ def test_same_sections_in_the_same_order(script):
                                       "checkpointing", "main"]
 
 
+# Data and model: what a user replaces, in every script alike. Checkpointing: one format, so that any
+# script resumes any other's.
 @pytest.mark.parametrize("script", SCRIPTS[1:])
-@pytest.mark.parametrize("section", ["data", "model"])
-def test_model_and_data_sections_are_single_gpus(script, section):
+@pytest.mark.parametrize("section", ["data", "model", "checkpointing"])
+def test_shared_sections_are_single_gpus(script, section):
     assert sections(script)[section] == sections("single_gpu.py")[section]
+
+
+def test_the_two_ddp_scripts_differ_only_in_how_processes_start():
+    """ddp_spawn.py is ddp_torchrun.py with another way to start the processes: the docstring, two
+    imports, --nproc and its checks, setup, main's first lines and the spawn. The count is exact, so a DDP
+    line changed in one of them alone, or deleted, fails here (the tests that run them check behaviour
+    mostly on ddp_torchrun.py)."""
+    assert changed_lines("ddp_spawn.py", against="ddp_torchrun.py") == 47
 
 
 @pytest.mark.parametrize("script", SCRIPTS[1:])
