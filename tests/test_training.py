@@ -180,15 +180,18 @@ import argparse, sys
 sys.path.insert(0, {str(ROOT)!r})
 import single_gpu
 
-def resident(kind):  # bytes of this process's memory: RssAnon its own, RssFile mapped from files
+def resident(kind):  # bytes of this process's memory: RssAnon its own; RssFile mapped from files, RssShmem from tmpfs
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(kind + ":")) * 1024
 
-before = resident("RssAnon"), resident("RssFile")
+def mapped():
+    return resident("RssFile") + resident("RssShmem")
+
+before = resident("RssAnon"), mapped()
 train, val, vocab_size, _ = single_gpu.build_datasets(argparse.Namespace(data={str(data)!r}, seq_len=64))
 for dataset in train, val:
     for i in range(0, len(dataset), 64):  # 64 sequences of 64 bytes: one from every 4 KiB page of the file
         dataset[i]
-print(resident("RssAnon") - before[0], resident("RssFile") - before[1])
+print(resident("RssAnon") - before[0], mapped() - before[1])
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
