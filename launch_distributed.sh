@@ -224,16 +224,22 @@ case "$mode" in
         rendezvous=(--nnodes="$nodes" --rdzv-backend=c10d --rdzv-endpoint="$endpoint"
                     --rdzv-id="$SLURM_JOB_ID" --rdzv-conf="join_timeout=$JOIN_TIMEOUT")
         # CPUs for each node's task, torchrun and all its workers: sbatch's --cpus-per-task, else all the job
-        # holds on its smallest node (SLURM_JOB_CPUS_PER_NODE reads like "72(x2),36"). srun is told explicitly:
-        # since Slurm 22.05 it no longer inherits --cpus-per-task, and where the cluster binds tasks to CPUs
-        # a node's workers would all share one core.
-        # shellcheck disable=SC2001  # a regular expression, which ${var//...} is not
-        cpus=${SLURM_CPUS_PER_TASK:-$(sed 's/([^)]*)//g' <<<"${SLURM_JOB_CPUS_PER_NODE:-1}" | tr , '\n' | sort -n | head -n 1)}
+        # holds on its smallest node. srun is told explicitly: since Slurm 22.05 it no longer inherits
+        # --cpus-per-task, and where the cluster binds tasks to CPUs a node's workers would all share one core.
+        if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+            cpus=$SLURM_CPUS_PER_TASK
+        else  # SLURM_JOB_CPUS_PER_NODE reads like "72(x2),36": the smallest count
+            # shellcheck disable=SC2001  # a regular expression, which ${var//...} is not
+            cpus=$(sed 's/([^)]*)//g' <<<"${SLURM_JOB_CPUS_PER_NODE:-1}" | tr , '\n' | sort -n | head -n 1)
+        fi
+        [[ "$cpus" =~ ^[1-9][0-9]*$ ]] ||
+            die "cannot tell the job's CPUs per node from SLURM_CPUS_PER_TASK or SLURM_JOB_CPUS_PER_NODE (got '$cpus')"
         ;;
 esac
 nproc=${NPROC_PER_NODE:-$gpus}
 ((nproc > 0)) || nproc=2  # no GPU: two CPU processes, enough to see DDP at work
-if [[ "$mode" == slurm ]] && [[ "$runner" == torchrun || $check == 1 ]] && ((cpus < nproc)); then
+if [[ "$mode" == slurm ]] && [[ "$runner" == torchrun || $check == 1 || "$(basename -- "$script")" == ddp_spawn.py ]] &&
+    ((cpus < nproc)); then
     echo "launch_distributed.sh: note: this job holds $cpus CPU(s) per node for $nproc processes each;" \
          "ask sbatch for more with --cpus-per-task=N (or --exclusive)" >&2
 fi

@@ -157,9 +157,10 @@ def test_sbatch_trains_on_two_nodes_like_torchrun_on_one(slurm, trained, tmp_pat
     # Each worker reports the CPUs it may run on.
     env = dict(slurm, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{slurm['PATH']}",
                NPROC_PER_NODE="1", MASTER_PORT=str(rendezvous_port), SLURM_CPU_BIND="cores",
-               **injected(tmp_path, "import os\nif 'LOCAL_RANK' in os.environ:\n"
-                                    "    print(f'rank {os.environ[\"RANK\"]} may run on CPUs {sorted(os.sched_getaffinity(0))}', "
-                                    "flush=True)\n"))
+               **injected(tmp_path, "import os\n"
+                                    "if 'LOCAL_RANK' in os.environ:\n"
+                                    "    cpus = sorted(os.sched_getaffinity(0))\n"
+                                    "    print(f'rank {os.environ[\"RANK\"]} may run on CPUs {cpus}', flush=True)\n"))
     job_output = tmp_path / "job.out"
     # The node and task counts come from the launcher's #SBATCH lines, as for a user; the CPUs, as the
     # launcher's header says, from sbatch's command line.
