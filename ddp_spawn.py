@@ -11,6 +11,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import gc
 import itertools
 import logging
 import math
@@ -227,6 +228,13 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def leave_process_group():
+    """Destroy the process group, then collect the garbage that still holds parts of it, so that gloo's threads
+    end before Python's teardown: they can race it and abort (pytorch/pytorch#190489; README, troubleshooting)."""
+    dist.destroy_process_group()
+    gc.collect()
+
+
 def setup(rank, args):
     """Prepare this process to train: pick its device and seed the model's initialisation."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -236,7 +244,7 @@ def setup(rank, args):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.nproc,
                             device_id=device if device.type == "cuda" else None,
                             timeout=datetime.timedelta(seconds=args.timeout))  # meets at MASTER_ADDR:MASTER_PORT
-    atexit.register(dist.destroy_process_group)  # on every exit path, errors included
+    atexit.register(leave_process_group)  # on every exit path, errors included
     torch.manual_seed(args.seed)
     return device
 
@@ -433,8 +441,6 @@ def main(rank, args):
                     save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
                 log.info(f"step {step:>5} | saved {ckpt_path}")
-    dist.destroy_process_group()
-    os._exit(0)  # skip Python's teardown: it can race gloo's threads and abort (pytorch/pytorch#190489)
 
 
 if __name__ == "__main__":

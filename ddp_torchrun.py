@@ -12,6 +12,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import gc
 import itertools
 import logging
 import math
@@ -213,6 +214,13 @@ class GPT(nn.Module):
 # -- setup --------------------------------------------------------------------
 
 
+def leave_process_group():
+    """Destroy the process group, then collect the garbage that still holds parts of it, so that gloo's threads
+    end before Python's teardown: they can race it and abort (pytorch/pytorch#190489; README, troubleshooting)."""
+    dist.destroy_process_group()
+    gc.collect()
+
+
 def setup(args):
     """Prepare this process to train: pick its device and seed the model's initialisation."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -223,7 +231,7 @@ def setup(args):
         os.environ.setdefault(name, default)  # torchrun sets these; plain `python` makes a world of one
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
                             timeout=datetime.timedelta(seconds=args.timeout))
-    atexit.register(dist.destroy_process_group)  # on every exit path, errors included
+    atexit.register(leave_process_group)  # on every exit path, errors included
     torch.manual_seed(args.seed)
     return device
 
@@ -422,8 +430,6 @@ def main(args):
                     save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
                 log.info(f"step {step:>5} | saved {ckpt_path}")
-    dist.destroy_process_group()
-    os._exit(0)  # skip Python's teardown: it can race gloo's threads and abort (pytorch/pytorch#190489)
 
 
 if __name__ == "__main__":
