@@ -67,6 +67,9 @@ def parse_args():
     parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model: slower start, faster steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace steps 7 to 9 of this run with torch.profiler: a Chrome trace per process in --log-dir")
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2,
                         help="processes to start (default: one per GPU, or 2 on a CPU)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
@@ -199,6 +202,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
+        self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         # Blocks by name ("0", "1", ...): FSDP shards them one at a time, a pipeline stage keeps some.
@@ -216,6 +220,12 @@ class GPT(nn.Module):
         for block in self.blocks.values():
             x = block(x)
         return self.head(self.norm(x))
+
+    def flops_per_token(self):
+        """Training FLOPs per token as the PaLM paper (appendix B) and nanoGPT count them: 6 per parameter, for
+        the forward and backward matmuls (embeddings excepted: lookups), plus attention's 12 x layers x d_model x seq_len."""
+        matmul_params = sum(p.numel() for p in self.parameters()) - self.tok_emb.weight.numel() - self.pos_emb.weight.numel()
+        return 6 * matmul_params + 12 * self.config.n_layers * self.config.d_model * self.config.seq_len
 
 
 # -- setup --------------------------------------------------------------------
@@ -245,8 +255,20 @@ def setup(rank, args):
                             device_id=device if device.type == "cuda" else None,
                             timeout=datetime.timedelta(seconds=args.timeout))  # meets at MASTER_ADDR:MASTER_PORT
     atexit.register(leave_process_group)  # on every exit path, errors included
+    # fp32 matmuls on TF32 tensor cores, on GPUs from Ampere on: 495 instead of 67 TFLOP/s on an H100 (its datasheet),
+    # for a 10-bit mantissa that training does not notice (nanoGPT does the same). Nothing changes on a CPU.
+    torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(args.seed)
     return device
+
+
+def peak_flops(device):
+    """The dense bf16 peak FLOP/s of a GPU in NVIDIA's datasheets, to measure MFU against; None for any other."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peaks = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H200": 989e12}  # H100 and H200 SXM
+    return 312e12 if name.startswith("NVIDIA A100") else peaks.get(name)
 
 
 # -- training step ------------------------------------------------------------
@@ -367,6 +389,8 @@ def main(rank, args):
         fail(f"--batch-size {args.batch_size} is more than the {len(train_set)} training sequences")
     config = ModelConfig(vocab_size, args.seq_len, args.d_model, args.n_layers, args.n_heads)
     model = GPT(config).to(device)
+    if args.compile:  # in place: the state dict keeps its keys, and checkpoints stay interchangeable with eager runs
+        model.compile()
     optimizer, scheduler = configure_optimizer(model, args, device)
     per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # sequences in one forward pass
     num_val = len(val_set)
@@ -397,11 +421,21 @@ def main(rank, args):
     train_loader = DataLoader(train_set, per_process_batch_size, sampler=sampler, pin_memory=pin_memory)
     val_set = Subset(val_set, range(rank, len(val_set), world_size))  # no padding duplicates, unlike the sampler's
     val_loader = DataLoader(val_set, per_process_batch_size, pin_memory=pin_memory)
+    flops_per_token, peak = model.flops_per_token(), peak_flops(device)
+    profiler = contextlib.nullcontext()
+    if args.profile:  # the first steps compile, allocate and fill caches: trace three after them
+        if args.max_steps - step < 9:
+            fail(f"--profile traces steps {step + 7} to {step + 9}, but --max-steps {args.max_steps} stops before")
+        trace_path = os.path.join(args.log_dir, f"trace_rank{rank}.json")
+        profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1),
+                                          on_trace_ready=lambda prof: prof.export_chrome_trace(trace_path))
+        log.info(f"tracing steps {step + 7} to {step + 9} into {trace_path}, one file per process: open it at "
+                 f"https://ui.perfetto.dev or in chrome://tracing")
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     metrics, micro_batches = {}, None
     ddp_model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)  # grads reuse bucket memory
-    with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer:
+    with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
                 val_loss, val_accuracy = evaluate(model, val_loader, device)
@@ -418,6 +452,8 @@ def main(rank, args):
                 micro_batches = itertools.islice(train_loader, step % steps_per_epoch * args.grad_accum, None)
             loss = train_step(ddp_model, optimizer, scheduler, micro_batches, args, device)
             step += 1
+            if args.profile:
+                profiler.step()
 
             metrics = {}
             if step % args.log_every == 0 or step == args.max_steps:
@@ -429,10 +465,14 @@ def main(rank, args):
                 tokens_per_sec = (step - last_step) * args.batch_size * args.seq_len / (now - last_time)
                 elapsed = datetime.timedelta(seconds=round(now - start_time))  # printed as h:mm:ss
                 left = datetime.timedelta(seconds=round((now - start_time) / (step - start_step) * (args.max_steps - step)))
+                flops = tokens_per_sec * flops_per_token / world_size  # the model FLOP/s of each process
                 metrics = {"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0],
-                           "train/tokens_per_sec": tokens_per_sec}
+                           "train/tokens_per_sec": tokens_per_sec, "train/tflops_per_process": flops / 1e12}
+                if peak:
+                    metrics["train/mfu"] = flops / peak
                 log.info(f"step {step:>5} | loss {train_loss:.4f} | lr {metrics['train/lr']:.2e} | "
-                         f"{tokens_per_sec:,.0f} tokens/s | {elapsed} elapsed, {left} left")
+                         f"{tokens_per_sec:,.0f} tokens/s, {flops / 1e12:.3g} TFLOP/s" +
+                         (f" ({flops / peak:.0%} MFU)" if peak else "") + f" | {elapsed} elapsed, {left} left")
                 last_step, last_time = step, now
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
                 if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device

@@ -1,7 +1,7 @@
 """Delete, one at a time, each line that a script exists to teach, run the tests that should notice, and
 print which deletions they catch. STYLE.md asks for this after any change to a script's strategy lines or
 to the tests: a line is guarded only if deleting it fails a test. Not a test itself (pytest does not
-collect it): it runs parts of the suite 20 times, about 12 minutes on two cores.
+collect it): it runs parts of the suite 24 times, about 16 minutes on two cores.
 
     python tests/check_deletions.py [SUBSTRING]   # only the deletions whose line contains SUBSTRING
 
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # (file, the line's text, what replaces it (None: `pass`), the tests that should fail, or why none can).
-TRAINING, BAD_INPUT = "tests/test_training.py", "tests/test_bad_input.py"
+TRAINING, BAD_INPUT, SPEED = "tests/test_training.py", "tests/test_bad_input.py", "tests/test_speed.py"
 DELETIONS = [
     ("ddp_torchrun.py", "sampler.set_epoch(step // steps_per_epoch)", None, TRAINING),
     ("ddp_torchrun.py", "DistributedSampler(train_set, seed=args.seed, drop_last=True)",
@@ -59,6 +59,14 @@ DELETIONS = [
      f"{BAD_INPUT}::test_checkpoint_directory_that_cannot_be_written_is_refused"),
     ("launch_distributed.sh", "--ntasks-per-node=1 --cpus-per-task=\"$cpus\"", "--ntasks-per-node=1",
      "tests/test_slurm.py"),
+    ("ddp_torchrun.py", "model.compile()", None, f"{SPEED}::test_compiled_ddp_trains_like_eager"),
+    ("single_gpu.py", "profiler.step()", None, f"{SPEED}::test_profile_writes_a_trace_per_process"),
+    ("ddp_torchrun.py", "flops = tokens_per_sec * flops_per_token / world_size",
+     "flops = tokens_per_sec * flops_per_token", f"{SPEED}::test_flops_per_process_follow_from_tokens_per_second"),
+    ("single_gpu.py", "torch.backends.cuda.matmul.allow_tf32 = True", None,
+     f"{SPEED}::test_fp32_matmuls_may_use_tf32_on_cuda"),
+    ("dataparallel.py", "peak *= torch.cuda.device_count()", None,
+     "not on a CPU, which has no peak: MFU is shown on GPUs alone"),
     # The copies: a line deleted from them changes their diff against single_gpu.py or ddp_torchrun.py, whose
     # sizes tests/test_structure.py knows exactly; their behaviour is tested on the scripts above.
     ("ddp_spawn.py", "dist.barrier()", None, "tests/test_structure.py"),

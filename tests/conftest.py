@@ -55,10 +55,10 @@ def command(script, nproc=2):
     return [sys.executable, path]
 
 
-def run(script, *args, nproc=2, timeout=180, cwd=None):
+def run(script, *args, nproc=2, timeout=180, cwd=None, env=None):
     """Run a script to completion. A hang fails the test after `timeout` seconds, and the whole
     process group is killed so that no worker outlives it."""
-    return run_command(command(script, nproc) + [str(a) for a in args], timeout=timeout, cwd=cwd)
+    return run_command(command(script, nproc) + [str(a) for a in args], env=env, timeout=timeout, cwd=cwd)
 
 
 def free_ports(count=1):

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from conftest import DISTRIBUTED, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, load, run, run_command
+from conftest import DISTRIBUTED, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, command, injected, load, run, run_command
 
 
 def fails_cleanly(script, args, message, timeout=30, flags=TINY):
@@ -180,3 +180,18 @@ def test_weights_that_blow_up_are_never_checkpointed(script, tmp_path):
     state = load(tmp_path)
     assert state["step"] == 1
     assert all(weights.isfinite().all() for weights in state["model"].values())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_profile_needs_nine_steps(script):
+    fails_cleanly(script, ["--profile", "--max-steps", 8], "--profile traces steps 7 to 9, but --max-steps 8 stops before")
+
+
+def test_compile_refused_under_dataparallel_on_several_gpus(tmp_path):
+    """nn.DataParallel's replicas would share the original model's compiled forward, and its weights on GPU 0.
+    Two GPUs are faked: the check comes before anything touches one."""
+    env = injected(tmp_path, "import torch\ntorch.cuda.device_count = lambda: 2\n")
+    result = run_command(command("dataparallel.py") + [*TINY, "--compile", "--log-dir", str(tmp_path)], env=env, timeout=30)
+    assert result.returncode != 0
+    assert result.output.strip() == ("dataparallel.py: error: --compile does not work with nn.DataParallel on several "
+                                     "GPUs: use ddp_torchrun.py, or one GPU"), result.output

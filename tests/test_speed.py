@@ -1,0 +1,124 @@
+"""The speed lines every script shares: --compile, --profile, and the FLOP/s and MFU they report."""
+
+import argparse
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from conftest import (DISTRIBUTED, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, WARNING, import_script, load, max_param_diff,
+                      run, run_command, scalars)
+
+
+def flops_per_token(d_model=32, n_layers=2, seq_len=16, vocab_size=256):
+    """TINY's model counted by hand: per block qkv (3d^2, no bias), attention output (d^2 + d), MLP (8d^2 + 5d)
+    and two LayerNorms (4d); then the final LayerNorm (2d) and the head (vocabulary x d). The embeddings are
+    lookups, not matmuls."""
+    d = d_model
+    matmul_params = n_layers * (12 * d * d + 10 * d) + 2 * d + vocab_size * d
+    return 6 * matmul_params + 12 * n_layers * d_model * seq_len
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_flops_per_process_follow_from_tokens_per_second(trained, script):
+    """tokens/s counts the global batch; FLOP/s is what each process does. No peak is known for a CPU:
+    no MFU."""
+    result = trained[script]
+    tb = scalars(result.log_dir)
+    world_size = 2 if script in DISTRIBUTED else 1
+    tokens_per_sec, tflops = tb["train/tokens_per_sec"], tb["train/tflops_per_process"]
+    assert tflops.keys() == tokens_per_sec.keys()
+    for step, value in tflops.items():
+        assert value * 1e12 == pytest.approx(tokens_per_sec[step] * flops_per_token() / world_size, rel=1e-5)
+    assert "train/mfu" not in tb
+    assert "MFU" not in result.run.output
+    assert re.search(r"\d tokens/s, [\d.e+-]+ TFLOP/s \| ", result.run.output), result.run.output
+
+
+def test_mfu_is_against_the_gpus_peak(tmp_path):
+    """Where the peak is known, the step line and TensorBoard show MFU = achieved / peak. A CPU has no
+    peak, so the test gives single_gpu.py one: 1 GFLOP/s."""
+    driver = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from conftest import import_script; "
+              f"script = import_script('single_gpu.py'); script.peak_flops = lambda device: 1e9; "
+              f"sys.argv = ['single_gpu.py', *sys.argv[1:]]; script.main(script.parse_args())")
+    result = run_command([sys.executable, "-c", driver, *TINY, "--max-steps", "4", "--log-dir", str(tmp_path)])
+    assert result.returncode == 0, result.output
+    tb = scalars(tmp_path)
+    assert sorted(tb["train/mfu"]) == [2, 4]
+    for step, mfu in tb["train/mfu"].items():
+        assert mfu == pytest.approx(tb["train/tflops_per_process"][step] * 1e12 / 1e9, rel=1e-5)
+    printed = [float(m) for m in re.findall(r"TFLOP/s \((\d+)% MFU\)", result.output)]
+    assert printed == [round(100 * tb["train/mfu"][step]) for step in (2, 4)], result.output
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA H100 NVL", None),
+                                        ("NVIDIA H200 NVL", None), ("NVIDIA GeForce RTX 4090", None)])
+def test_peak_flops_only_for_gpus_in_the_table(monkeypatch, name, peak):
+    """Never a made-up peak: a GPU the table does not name exactly gets FLOP/s alone."""
+    script = import_script("single_gpu.py")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert script.peak_flops(torch.device("cuda", 0)) == peak
+    assert script.peak_flops(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("script", ["single_gpu.py", "dataparallel.py"])
+def test_fp32_matmuls_may_use_tf32_on_cuda(monkeypatch, script):
+    """What a CPU can check: setup() lets cuBLAS use TF32 for fp32 matmuls (it changes nothing on a CPU)."""
+    module = import_script(script)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    module.setup(argparse.Namespace(device="cpu", seed=0))
+    assert torch.backends.cuda.matmul.allow_tf32
+
+
+def test_compiled_ddp_trains_like_eager(trained, tmp_path):
+    """Two processes, the model compiled before DDP wraps it. Inductor fuses the LayerNorms, softmax and GELU
+    into kernels that add in another order, so the weights differ from eager ones by rounding, as single_gpu.py's
+    differ from DDP's: within PARAM_ATOL (seen: 1.9e-6 after 16 steps)."""
+    eager = trained["ddp_torchrun.py"]
+    ckpt_dir = tmp_path / "ckpt"
+    result = run("ddp_torchrun.py", *TINY, "--max-steps", STEPS, "--compile", "--ckpt-dir", ckpt_dir, "--log-dir",
+                 tmp_path / "tb", env={"TORCH_LOGS": "recompiles"}, timeout=600)
+    assert result.returncode == 0, result.output
+    assert not WARNING.search(result.output), result.output
+    tb = scalars(tmp_path / "tb")
+    assert tb["val/loss"][0] - tb["val/loss"][STEPS] > 0.4, tb["val/loss"]
+
+    compiled = load(ckpt_dir)["model"]
+    assert compiled.keys() == load(eager.ckpt_dir)["model"].keys()  # no "_orig_mod." prefix
+    assert max_param_diff(compiled, load(eager.ckpt_dir)["model"]) <= PARAM_ATOL
+
+    # Compiled once for training and, at the first evaluation, for evaluation (no autograd), plus once for
+    # rank 0's short last validation batch (3 of the 5 sequences, in batches of 2): at most 2 recompiles per
+    # rank. An evaluation that recompiled every pass would add more at steps 8 and 16.
+    for rank in range(2):
+        recompiles = re.findall(rf"^\[rank{rank}\]:.*Recompiling function forward", result.output, re.MULTILINE)
+        assert 1 <= len(recompiles) <= 2, result.output
+
+    # An eager run reads the compiled run's checkpoint, and a compiled run the eager one's (strictly: every key
+    # must match). Both are finished: they load it, and stop before any step.
+    for ckpt, flags in [(ckpt_dir, []), (eager.ckpt_dir, ["--compile"])]:
+        again = run("ddp_torchrun.py", *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt, "--log-dir", tmp_path / "tb2",
+                    *flags)
+        assert again.returncode == 0, again.output
+        assert f"resumed from {ckpt / 'checkpoint.pt'} at step {STEPS}" in again.output, again.output
+        assert "the run is finished" in again.output, again.output
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_profile_writes_a_trace_per_process(script, tmp_path):
+    result = run(script, *TINY, "--max-steps", 10, "--profile", "--log-dir", tmp_path)
+    assert result.returncode == 0, result.output
+    assert f"tracing steps 7 to 9 into {tmp_path / 'trace_rank0.json'}" in result.output, result.output
+    world_size = 2 if script in DISTRIBUTED else 1
+    assert sorted(p.name for p in tmp_path.glob("trace_rank*.json")) == [f"trace_rank{r}.json" for r in range(world_size)]
+    for rank in range(world_size):
+        events = json.loads((tmp_path / f"trace_rank{rank}.json").read_text())["traceEvents"]
+        names = {event.get("name", "") for event in events}
+        assert {"ProfilerStep#6", "ProfilerStep#7", "ProfilerStep#8"} <= names, sorted(names)
+        assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, sorted(names)
+        # The gradients' all-reduce, for DDP: gloo's here, NCCL's ("nccl:all_reduce") on GPUs.
+        assert any(name.endswith(":all_reduce") for name in names) == (script in DISTRIBUTED), sorted(names)
