@@ -434,6 +434,9 @@ def main(rank, args):
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     metrics, micro_batches = {}, None
+    # The line this script is about. DDP copies rank 0's weights and buffers to every rank now; then in each backward()
+    # it averages the gradients across ranks, all-reducing each bucket of them while the rest of backward runs (not
+    # with --compile: see README). Evaluation and checkpoints use the bare model: no "module." prefix in the keys.
     ddp_model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)  # grads reuse bucket memory
     with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
         while True:
@@ -457,7 +460,8 @@ def main(rank, args):
 
             metrics = {}
             if step % args.log_every == 0 or step == args.max_steps:
-                dist.all_reduce(loss.div_(world_size))  # the mean over ranks; a collective, so every rank calls it
+                dist.all_reduce(loss)  # the sum over ranks; a collective, so every rank calls it
+                loss /= world_size
                 train_loss = loss.item()  # waits for the device to finish: read before the clock
                 if not math.isfinite(train_loss):
                     diverged(step, f"the loss is {train_loss}")

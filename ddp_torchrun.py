@@ -237,8 +237,10 @@ def setup(args):
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)  # before init_process_group, so NCCL uses this process's GPU alone
+    # torchrun sets these. Plain `python` makes a world of one, whose store may take any free port ("0"): no other
+    # process has to find it.
     for name, default in [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "0")]:
-        os.environ.setdefault(name, default)  # torchrun sets these; plain `python` makes a world of one
+        os.environ.setdefault(name, default)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
                             timeout=datetime.timedelta(seconds=args.timeout))
     atexit.register(leave_process_group)  # on every exit path, errors included
@@ -423,6 +425,9 @@ def main(args):
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     metrics, micro_batches = {}, None
+    # The line this script is about. DDP copies rank 0's weights and buffers to every rank now; then in each backward()
+    # it averages the gradients across ranks, all-reducing each bucket of them while the rest of backward runs (not
+    # with --compile: see README). Evaluation and checkpoints use the bare model: no "module." prefix in the keys.
     ddp_model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)  # grads reuse bucket memory
     with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
         while True:
@@ -446,7 +451,8 @@ def main(args):
 
             metrics = {}
             if step % args.log_every == 0 or step == args.max_steps:
-                dist.all_reduce(loss.div_(world_size))  # the mean over ranks; a collective, so every rank calls it
+                dist.all_reduce(loss)  # the sum over ranks; a collective, so every rank calls it
+                loss /= world_size
                 train_loss = loss.item()  # waits for the device to finish: read before the clock
                 if not math.isfinite(train_loss):
                     diverged(step, f"the loss is {train_loss}")

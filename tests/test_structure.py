@@ -11,7 +11,7 @@ SECTION = re.compile(r"^# -- (\w[\w ]*\w) -+$", re.MULTILINE)
 SIBLING_IMPORT = re.compile(r"^\s*(from|import)\s+(single_gpu|dataparallel|ddp_spawn|ddp_torchrun|ddp_amp|fsdp|pipeline)\b",
                             re.MULTILINE)
 # Lines changed against single_gpu.py, both sides counted, as `diff single_gpu.py X.py | grep -c '^[<>]'`.
-MAX_CHANGED_LINES = {"dataparallel.py": 20, "ddp_spawn.py": 95, "ddp_torchrun.py": 70}
+MAX_CHANGED_LINES = {"dataparallel.py": 20, "ddp_spawn.py": 100, "ddp_torchrun.py": 75}
 
 
 def source(script):
@@ -56,7 +56,7 @@ def test_the_two_ddp_scripts_differ_only_in_how_processes_start():
     imports, --nproc and its checks, setup, main's first lines and the spawn. The count is exact, so a DDP
     line changed in one of them alone, or deleted, fails here (the tests that run them check behaviour
     mostly on ddp_torchrun.py)."""
-    assert changed_lines("ddp_spawn.py", against="ddp_torchrun.py") == 47
+    assert changed_lines("ddp_spawn.py", against="ddp_torchrun.py") == 49
 
 
 @pytest.mark.parametrize("script", SCRIPTS[1:])
