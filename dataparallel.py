@@ -351,7 +351,7 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
 
 def main(args):
     device = setup(args)
-    rank, world_size = 0, 1  # this process and all that train together; the distributed scripts ask their group
+    rank, world_size = 0, 1  # this process's number, and how many train together: the DDP scripts ask their group
     logging.basicConfig(format="%(message)s", level=logging.INFO, stream=sys.stdout)
     train_set, val_set, vocab_size, best_loss = build_datasets(args)
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size

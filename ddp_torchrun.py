@@ -225,8 +225,8 @@ class GPT(nn.Module):
 
 
 def leave_process_group():
-    """Destroy the process group, then collect the garbage that still holds parts of it, so that gloo's threads
-    end before Python's teardown: they can race it and abort (pytorch/pytorch#190489; README, troubleshooting)."""
+    """Destroy the process group, then collect garbage: without the collect, gloo's threads can race Python's
+    teardown and abort the process (pytorch/pytorch#190489; measured in README, troubleshooting)."""
     dist.destroy_process_group()
     gc.collect()
 
