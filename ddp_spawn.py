@@ -43,12 +43,10 @@ def fail(message):
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", help="train a byte-level model on this text file (default: built-in data)")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per training sequence")
-    parser.add_argument("--d-model", type=int, default=64, help="width of the model")
-    parser.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
-    parser.add_argument("--n-heads", type=int, default=4, help="attention heads; must divide --d-model")
-    parser.add_argument("--batch-size", type=int, default=32, help="global batch: sequences per optimizer step")
+    # The data and model sections define their own flags: replace a section, and its flags go with it.
+    add_data_args(parser.add_argument_group("data (the data section's flags)"))
+    add_model_args(parser.add_argument_group("model (the model section's flags)"))
+    parser.add_argument("--batch-size", type=int, default=32, help="global batch: samples per optimizer step")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps to train for")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -59,8 +57,8 @@ def parse_args():
     parser.add_argument("--log-every", type=int, default=10, help="steps between console and TensorBoard logs")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
     parser.add_argument("--eval-batches", type=int, default=20,
-                        help="validation batches of --batch-size sequences per pass, the first of the split "
-                             "(default 20: at the default --seq-len and --batch-size, all of the built-in data's)")
+                        help="validation batches of --batch-size samples per pass, the first of the split "
+                             "(default 20: at the default flags, all of the built-in data's)")
     parser.add_argument("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]),
                         help="TensorBoard directory")
     parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint.pt here and resume from it (default: off)")
@@ -80,8 +78,6 @@ def parse_args():
             continue
         if not math.isfinite(value) or value < 0 or (value == 0 and name not in zero_or_more):
             fail(f"--{name.replace('_', '-')} must be {'zero or more' if name in zero_or_more else 'positive'}, got {value}")
-    if args.d_model % args.n_heads:
-        fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
     if args.batch_size % (args.nproc * args.grad_accum):
         fail(f"--batch-size {args.batch_size} is not divisible by --nproc {args.nproc} x --grad-accum {args.grad_accum}")
     if args.device != "cpu" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
@@ -102,6 +98,11 @@ def parse_args():
 # -- data ---------------------------------------------------------------------
 
 
+def add_data_args(parser):
+    parser.add_argument("--data", help="train a byte-level model on this text file (default: built-in data)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per training sequence")
+
+
 def markov_sequences(seq_len, num_tokens=2**18, vocab_size=64, seed=1234):
     """Sequences from a fixed random Markov chain, num_tokens in all: learnable, and its entropy rate
     is the lowest loss any model can reach, so the log can show how close training gets."""
@@ -114,11 +115,13 @@ def markov_sequences(seq_len, num_tokens=2**18, vocab_size=64, seed=1234):
     for _ in range(200):
         stationary = stationary @ transitions
     entropy_rate = -(stationary[:, None] * transitions * transitions.log()).sum().item()
+    log.info(f"built-in data: a random Markov chain over {vocab_size} tokens; its entropy rate, {entropy_rate:.4f}, "
+             f"is the lowest loss any model can reach")
     tokens = torch.empty(num_seqs, seq_len + 1, dtype=torch.long)
     tokens[:, 0] = torch.multinomial(stationary, num_seqs, replacement=True, generator=gen)
     for t in range(seq_len):
         tokens[:, t + 1] = torch.multinomial(transitions[tokens[:, t]], 1, generator=gen)[:, 0]
-    return tokens, vocab_size, entropy_rate
+    return tokens, vocab_size
 
 
 def text_file_sequences(path, seq_len):
@@ -133,7 +136,7 @@ def text_file_sequences(path, seq_len):
         fail(f"--data {path} has {size} bytes; --seq-len {seq_len} needs at least {10 * seq_len + 1}")
     tokens = torch.from_file(path, size=num_seqs * seq_len + 1, dtype=torch.uint8)  # copy-on-write: never changes the file
     # Chunk i is tokens[i*seq_len : (i+1)*seq_len + 1]: neighbours share one token, the next target.
-    return tokens.as_strided((num_seqs, seq_len + 1), (seq_len, 1)), 256, None
+    return tokens.as_strided((num_seqs, seq_len + 1), (seq_len, 1)), 256
 
 
 class TokenSequences(Dataset):
@@ -151,18 +154,25 @@ class TokenSequences(Dataset):
 
 
 def build_datasets(args):
-    """Train and validation sets of (input, target) pairs, the last tenth held out; the vocabulary
-    size; and the best achievable loss where it is known."""
+    """Train and validation sets of (input, target) pairs, the last tenth held out, and what the model
+    section needs to know of the data: here the vocabulary size."""
     if args.data:
-        tokens, vocab_size, best_loss = text_file_sequences(args.data, args.seq_len)
+        tokens, vocab_size = text_file_sequences(args.data, args.seq_len)
     else:
-        tokens, vocab_size, best_loss = markov_sequences(args.seq_len)
+        tokens, vocab_size = markov_sequences(args.seq_len)
     dataset = TokenSequences(tokens)
     num_train = len(dataset) - len(dataset) // 10
-    return Subset(dataset, range(num_train)), Subset(dataset, range(num_train, len(dataset))), vocab_size, best_loss
+    train_set, val_set = Subset(dataset, range(num_train)), Subset(dataset, range(num_train, len(dataset)))
+    return train_set, val_set, {"vocab_size": vocab_size}
 
 
 # -- model --------------------------------------------------------------------
+
+
+def add_model_args(parser):
+    parser.add_argument("--d-model", type=int, default=64, help="width of the model")
+    parser.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--n-heads", type=int, default=4, help="attention heads; must divide --d-model")
 
 
 @dataclass
@@ -226,6 +236,30 @@ class GPT(nn.Module):
         the forward and backward matmuls (embeddings excepted: lookups), plus attention's 12 x layers x d_model x seq_len."""
         matmul_params = sum(p.numel() for p in self.parameters()) - self.tok_emb.weight.numel() - self.pos_emb.weight.numel()
         return 6 * matmul_params + 12 * self.config.n_layers * self.config.d_model * self.config.seq_len
+
+
+def build_model(args, data_info):
+    """The model to train, and its configuration: a dict that checkpoints keep and a resumed run must match."""
+    if args.d_model % args.n_heads:
+        fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
+    config = ModelConfig(data_info["vocab_size"], args.seq_len, args.d_model, args.n_layers, args.n_heads)
+    log.info(f"a uniform guess over {config.vocab_size} tokens scores a loss of {math.log(config.vocab_size):.4f}")
+    return GPT(config), asdict(config)
+
+
+def loss_fn(logits, targets, reduction="mean"):
+    """Cross-entropy of each next-token prediction: logits (batch, seq_len, vocab), targets (batch, seq_len)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+
+
+def count_correct(logits, targets):
+    """Correct next-token predictions, and predictions made (the terms loss_fn adds up)."""
+    return (logits.argmax(-1) == targets).sum(), targets.numel()
+
+
+def throughput_unit(model, args):
+    """What the step line counts per second: tokens, --seq-len of them per sample, each worth flops_per_token."""
+    return "tokens", args.seq_len, model.flops_per_token()
 
 
 # -- setup --------------------------------------------------------------------
@@ -301,7 +335,7 @@ def train_step(model, optimizer, scheduler, micro_batches, args, device):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         # All-reduce gradients in the last micro-step only. no_sync also wraps the forward, where DDP decides.
         with model.no_sync() if micro_step < args.grad_accum - 1 else contextlib.nullcontext():
-            loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()) / args.grad_accum
+            loss = loss_fn(model(inputs), targets) / args.grad_accum
             loss.backward()
         total_loss += loss.detach()
     if args.grad_clip:
@@ -323,15 +357,16 @@ def diverged(step, what):
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Mean loss and next-token accuracy over every token the loader holds."""
+    """Mean loss and accuracy over every prediction the loader's samples hold."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, tokens
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
     for inputs, targets in loader:
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        logits = model(inputs)
-        totals[0] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-        totals[1] += (logits.argmax(-1) == targets).sum()
-        totals[2] += targets.numel()
+        outputs = model(inputs)
+        correct, count = count_correct(outputs, targets)
+        totals[0] += loss_fn(outputs, targets, reduction="sum")
+        totals[1] += correct
+        totals[2] += count
     dist.all_reduce(totals)  # each rank evaluated its own shard: add up the sums and counts
     model.train()
     loss_sum, correct, count = totals.tolist()
@@ -345,7 +380,7 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config):
     """Write to a temporary file, then rename it over the old one: a crash mid-write leaves the
     previous checkpoint intact."""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(), "step": step, "config": asdict(config)}
+             "scheduler": scheduler.state_dict(), "step": step, "config": config}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
         torch.save(state, f)
@@ -360,9 +395,9 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         fail(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}")
-    if not isinstance(state, dict) or state.get("config") != asdict(config):
+    if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
-        fail(f"{path} holds a model {found}, this run builds {asdict(config)}: match the flags or use another --ckpt-dir")
+        fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
     model.load_state_dict(state["model"])
     # The checkpoint says where training is; this run's flags say how it goes on. The saved groups hold
     # the --lr and --weight-decay of the run that wrote them, and its device's kernel (fused=False on a CPU).
@@ -383,25 +418,22 @@ def main(rank, args):
     world_size = dist.get_world_size()
     is_main_process = rank == 0  # console, TensorBoard and checkpoints: rank 0 alone writes
     logging.basicConfig(format="%(message)s", level=logging.INFO if is_main_process else logging.WARNING, stream=sys.stdout)
-    train_set, val_set, vocab_size, best_loss = build_datasets(args)
+    train_set, val_set, data_info = build_datasets(args)
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size
     if steps_per_epoch == 0:
-        fail(f"--batch-size {args.batch_size} is more than the {len(train_set)} training sequences")
-    config = ModelConfig(vocab_size, args.seq_len, args.d_model, args.n_layers, args.n_heads)
-    model = GPT(config).to(device)
+        fail(f"--batch-size {args.batch_size} is more than the {len(train_set)} training samples")
+    model, config = build_model(args, data_info)
+    model.to(device)
     if args.compile:  # in place: the state dict keeps its keys, and checkpoints stay interchangeable with eager runs
         model.compile()
     optimizer, scheduler = configure_optimizer(model, args, device)
-    per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # sequences in one forward pass
+    per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # samples in one forward pass
     num_val = len(val_set)
     val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))  # the same for any world size
-    log.info(f"device {device} | {sum(p.numel() for p in model.parameters()):,} parameters | "
-             f"{len(train_set)} train sequences of {args.seq_len} tokens | {len(val_set)} of {num_val} validation "
-             f"sequences per evaluation")
+    log.info(f"device {device} | {sum(p.numel() for p in model.parameters()):,} parameters | {len(train_set)} train "
+             f"samples | {len(val_set)} of {num_val} validation samples per evaluation")
     log.info(f"global batch {args.batch_size} = {per_process_batch_size} per process x {args.grad_accum} "
              f"accumulation steps x world size {world_size}")
-    log.info(f"loss of a uniform guess: {math.log(vocab_size):.4f}" +
-             (f", best achievable (the Markov chain's entropy rate): {best_loss:.4f}" if best_loss else ""))
 
     step = 0
     ckpt_path = args.ckpt_dir and os.path.join(args.ckpt_dir, "checkpoint.pt")
@@ -421,7 +453,8 @@ def main(rank, args):
     train_loader = DataLoader(train_set, per_process_batch_size, sampler=sampler, pin_memory=pin_memory)
     val_set = Subset(val_set, range(rank, len(val_set), world_size))  # no padding duplicates, unlike the sampler's
     val_loader = DataLoader(val_set, per_process_batch_size, pin_memory=pin_memory)
-    flops_per_token, peak = model.flops_per_token(), peak_flops(device)
+    unit, units_per_sample, flops_per_unit = throughput_unit(model, args)
+    peak = peak_flops(device)
     profiler = contextlib.nullcontext()
     if args.profile:  # the first steps compile, allocate and fill caches: trace three after them
         if args.max_steps - step < 9:
@@ -433,20 +466,21 @@ def main(rank, args):
                  f"https://ui.perfetto.dev or in chrome://tracing")
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
-    metrics, micro_batches = {}, None
-    # The line this script is about. DDP copies rank 0's weights and buffers to every rank now; then in each backward()
-    # it averages the gradients across ranks, all-reducing each bucket of them while the rest of backward runs (not
-    # with --compile: see README). Evaluation and checkpoints use the bare model: no "module." prefix in the keys.
+    micro_batches = None
+    # The line this script is about. DDP copies rank 0's weights and buffers to every rank now (here, after any resume:
+    # the copy is of the resumed weights); then in each backward() it averages the gradients across ranks, all-reducing
+    # each bucket of them while the rest of backward runs (not with --compile: see README). Evaluation and checkpoints
+    # use the bare model: no "module." prefix in the keys.
     ddp_model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)  # grads reuse bucket memory
+    # Rank 0 alone opens a TensorBoard writer; the other ranks enter an empty context, where writer is None.
     with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
                 val_loss, val_accuracy = evaluate(model, val_loader, device)
                 log.info(f"step {step:>5} | val loss {val_loss:.4f} | val accuracy {val_accuracy:.4f}")
-                metrics.update({"val/loss": val_loss, "val/accuracy": val_accuracy})
-            if is_main_process:
-                for name, value in metrics.items():
-                    writer.add_scalar(name, value, step)
+                if is_main_process:
+                    writer.add_scalar("val/loss", val_loss, step)
+                    writer.add_scalar("val/accuracy", val_accuracy, step)
             if step == args.max_steps:
                 break
             if micro_batches is None or step % steps_per_epoch == 0:
@@ -458,7 +492,6 @@ def main(rank, args):
             if args.profile:
                 profiler.step()
 
-            metrics = {}
             if step % args.log_every == 0 or step == args.max_steps:
                 dist.all_reduce(loss)  # the sum over ranks; a collective, so every rank calls it
                 loss /= world_size
@@ -466,17 +499,20 @@ def main(rank, args):
                 if not math.isfinite(train_loss):
                     diverged(step, f"the loss is {train_loss}")
                 now = time.perf_counter()
-                tokens_per_sec = (step - last_step) * args.batch_size * args.seq_len / (now - last_time)
+                units_per_sec = (step - last_step) * args.batch_size * units_per_sample / (now - last_time)
                 elapsed = datetime.timedelta(seconds=round(now - start_time))  # printed as h:mm:ss
                 left = datetime.timedelta(seconds=round((now - start_time) / (step - start_step) * (args.max_steps - step)))
-                flops = tokens_per_sec * flops_per_token / world_size  # the model FLOP/s of each process
+                flops = units_per_sec * flops_per_unit / world_size  # the model FLOP/s of each process
                 metrics = {"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0],
-                           "train/tokens_per_sec": tokens_per_sec, "train/tflops_per_process": flops / 1e12}
+                           f"train/{unit}_per_sec": units_per_sec, "train/tflops_per_process": flops / 1e12}
                 if peak:
                     metrics["train/mfu"] = flops / peak
                 log.info(f"step {step:>5} | loss {train_loss:.4f} | lr {metrics['train/lr']:.2e} | "
-                         f"{tokens_per_sec:,.0f} tokens/s, {flops / 1e12:.3g} TFLOP/s" +
+                         f"{units_per_sec:,.0f} {unit}/s, {flops / 1e12:.3g} TFLOP/s" +
                          (f" ({flops / peak:.0%} MFU)" if peak else "") + f" | {elapsed} elapsed, {left} left")
+                if is_main_process:
+                    for name, value in metrics.items():
+                        writer.add_scalar(name, value, step)
                 last_step, last_time = step, now
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
                 if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device

@@ -1,5 +1,6 @@
 """Every script trains, agrees with single_gpu.py, validates exactly and resumes exactly."""
 
+import argparse
 import subprocess
 import sys
 
@@ -55,8 +56,8 @@ def test_validation_is_exact_across_ranks(trained, script):
     """Step 0: every script holds the same initial weights, so 1 and 2 processes must agree on the
     whole validation split (5 sequences, which 2 ranks cannot split evenly)."""
     reference, other = trained["single_gpu.py"], trained[script]
-    assert "5 of 5 validation sequences per evaluation" in reference.run.output
-    assert "5 of 5 validation sequences per evaluation" in other.run.output
+    assert "5 of 5 validation samples per evaluation" in reference.run.output
+    assert "5 of 5 validation samples per evaluation" in other.run.output
     expected, got = scalars(reference.log_dir), scalars(other.log_dir)
     # Only the grouping of the fp32 per-batch sums differs (accumulated in fp64).
     assert got["val/loss"][0] == pytest.approx(expected["val/loss"][0], rel=1e-6)
@@ -113,7 +114,7 @@ def test_bounded_evaluation_is_the_same_on_any_number_of_ranks(tmp_path):
     for script in ["single_gpu.py", "ddp_torchrun.py"]:
         result = run(script, *TINY_BUILT_IN, "--max-steps", 1, "--eval-batches", 3, "--log-dir", tmp_path / script)
         assert result.returncode == 0, result.output
-        assert "24 of 1638 validation sequences per evaluation" in result.output, result.output
+        assert "24 of 1638 validation samples per evaluation" in result.output, result.output
         results[script] = scalars(tmp_path / script)
     expected, got = results["single_gpu.py"], results["ddp_torchrun.py"]
     assert got["val/loss"][0] == pytest.approx(expected["val/loss"][0], rel=1e-6)
@@ -139,14 +140,14 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
     optimizer must still run the fused kernel that this run built it with (and a GPU's checkpoint on a
     CPU, the other way round). Fused AdamW runs on CPUs too, so both directions are checked here."""
     module = import_script(script)
-    config = module.ModelConfig(vocab_size=16, seq_len=4, d_model=8, n_layers=1, n_heads=2)
+    flags = argparse.Namespace(seq_len=4, d_model=8, n_layers=1, n_heads=2)
     tokens = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(0))
 
     def build(fused):
         torch.manual_seed(0)
-        model = module.GPT(config)
+        model, config = module.build_model(flags, {"vocab_size": 16})
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
-        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), config
 
     def train_one_step(model, optimizer, scheduler):
         model(tokens).logsumexp(-1).mean().backward()
@@ -154,12 +155,12 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
         scheduler.step()
         optimizer.zero_grad()
 
-    saved = build(fused=saved_fused)
+    *saved, config = build(fused=saved_fused)
     train_one_step(*saved)
     path = str(tmp_path / "checkpoint.pt")
     module.save_checkpoint(path, *saved, 1, config)
 
-    model, optimizer, scheduler = build(fused=not saved_fused)
+    model, optimizer, scheduler, config = build(fused=not saved_fused)
     assert module.load_checkpoint(path, model, optimizer, scheduler, config, torch.device("cpu")) == 1
     assert [group["fused"] for group in optimizer.param_groups] == [not saved_fused]
     for param, saved_param in zip(model.parameters(), saved[0].parameters()):  # Adam's moments arrived
@@ -187,7 +188,7 @@ def mapped():
     return resident("RssFile") + resident("RssShmem")
 
 before = resident("RssAnon"), mapped()
-train, val, vocab_size, _ = single_gpu.build_datasets(argparse.Namespace(data={str(data)!r}, seq_len=64))
+train, val, _ = single_gpu.build_datasets(argparse.Namespace(data={str(data)!r}, seq_len=64))
 for dataset in train, val:
     for i in range(0, len(dataset), 64):  # 64 sequences of 64 bytes: one from every 4 KiB page of the file
         dataset[i]
