@@ -46,11 +46,12 @@ class Run:
 
 
 def command(script, nproc=2):
-    """How a user starts each script: torchrun for ddp_torchrun.py, plain python for the rest."""
-    path = str(ROOT / script)
-    if script == "ddp_torchrun.py":
+    """How a user starts each script (a file here, or a changed copy elsewhere): torchrun for ddp_torchrun.py,
+    plain python for the rest."""
+    path, name = str(ROOT / script), Path(script).name
+    if name == "ddp_torchrun.py":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", path]
-    if script == "ddp_spawn.py":
+    if name == "ddp_spawn.py":
         return [sys.executable, path, "--nproc", str(nproc)]
     return [sys.executable, path]
 
