@@ -42,9 +42,6 @@ def fail(message):
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # The data and model sections define their own flags: replace a section, and its flags go with it.
-    add_data_args(parser.add_argument_group("data (the data section's flags)"))
-    add_model_args(parser.add_argument_group("model (the model section's flags)"))
     parser.add_argument("--batch-size", type=int, default=32, help="global batch: samples per optimizer step")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps to train for")
@@ -56,8 +53,7 @@ def parse_args():
     parser.add_argument("--log-every", type=int, default=10, help="steps between console and TensorBoard logs")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
     parser.add_argument("--eval-batches", type=int, default=20,
-                        help="validation batches of --batch-size samples per pass, the first of the split "
-                             "(default 20: at the default flags, all of the built-in data's)")
+                        help="validation batches of --batch-size samples per pass, the first of the split")
     parser.add_argument("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]),
                         help="TensorBoard directory")
     parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint.pt here and resume from it (default: off)")
@@ -68,10 +64,14 @@ def parse_args():
     parser.add_argument("--profile", action="store_true",
                         help="trace steps 7 to 9 of this run with torch.profiler: a Chrome trace per process in --log-dir")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
+    own_flags = vars(parser.parse_known_args([])[0])  # checked below; the data and model sections check theirs
+    # The data and model sections define their own flags: replace a section, and its flags go with it.
+    add_data_args(parser.add_argument_group("data (the data section's flags)"))
+    add_model_args(parser.add_argument_group("model (the model section's flags)"))
     args = parser.parse_args()
     zero_or_more = ["warmup_steps", "weight_decay", "grad_clip"]  # 0 turns each off; every other number must be positive
     for name, value in vars(args).items():  # the seed may be any integer: the rest would fail later, or train nothing
-        if type(value) not in (int, float) or name == "seed":
+        if name not in own_flags or type(value) not in (int, float) or name == "seed":
             continue
         if not math.isfinite(value) or value < 0 or (value == 0 and name not in zero_or_more):
             fail(f"--{name.replace('_', '-')} must be {'zero or more' if name in zero_or_more else 'positive'}, got {value}")
@@ -149,6 +149,8 @@ class TokenSequences(Dataset):
 def build_datasets(args):
     """Train and validation sets of (input, target) pairs, the last tenth held out, and what the model
     section needs to know of the data: here the vocabulary size."""
+    if args.seq_len <= 0:
+        fail(f"--seq-len must be positive, got {args.seq_len}")
     if args.data:
         tokens, vocab_size = text_file_sequences(args.data, args.seq_len)
     else:
@@ -233,6 +235,9 @@ class GPT(nn.Module):
 
 def build_model(args, data_info):
     """The model to train, and its configuration: a dict that checkpoints keep and a resumed run must match."""
+    for name in "d_model", "n_layers", "n_heads":
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.d_model % args.n_heads:
         fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
     config = ModelConfig(data_info["vocab_size"], args.seq_len, args.d_model, args.n_layers, args.n_heads)
@@ -348,14 +353,14 @@ def diverged(step, what):
 def evaluate(model, loader, device):
     """Mean loss and accuracy over every prediction the loader's samples hold."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct predictions, predictions
     for inputs, targets in loader:
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         outputs = model(inputs)
-        correct, count = count_correct(outputs, targets)
+        correct, predictions = count_correct(outputs, targets)
         totals[0] += loss_fn(outputs, targets, reduction="sum")
         totals[1] += correct
-        totals[2] += count
+        totals[2] += predictions
     dist.all_reduce(totals)  # each rank evaluated its own shard: add up the sums and counts
     model.train()
     loss_sum, correct, count = totals.tolist()
@@ -413,6 +418,8 @@ def main(args):
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size
     if steps_per_epoch == 0:
         fail(f"--batch-size {args.batch_size} is more than the {len(train_set)} training samples")
+    if len(val_set) == 0:
+        fail("the validation set is empty: the data section must hold some samples out")
     model, config = build_model(args, data_info)
     model.to(device)
     if args.compile:  # in place: the state dict keeps its keys, and checkpoints stay interchangeable with eager runs

@@ -52,6 +52,10 @@ def test_timeout_must_be_positive(script):
     ("single_gpu.py", "--lr-decay-steps", 0, "--lr-decay-steps must be positive, got 0"),
     ("single_gpu.py", "--eval-batches", 0, "--eval-batches must be positive, got 0"),
     ("ddp_spawn.py", "--timeout", "inf", "--timeout must be positive, got inf"),  # a timedelta would overflow
+    # The data and model sections check their own flags.
+    ("single_gpu.py", "--seq-len", 0, "--seq-len must be positive, got 0"),
+    ("single_gpu.py", "--n-layers", 0, "--n-layers must be positive, got 0"),
+    ("single_gpu.py", "--n-heads", -2, "--n-heads must be positive, got -2"),
 ])
 def test_numbers_out_of_range(script, flag, value, message):
     fails_cleanly(script, [flag, value], message)
