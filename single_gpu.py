@@ -377,7 +377,7 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict({**state["scheduler"], "base_lrs": scheduler.base_lrs})
     for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base_lr * factor(state["step"])  # this run's schedule at the saved step
+        group["lr"] = base_lr * factor(scheduler.last_epoch)  # this run's schedule where the saved one stood
     return state["step"]
 
 
