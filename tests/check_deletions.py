@@ -1,7 +1,7 @@
 """Delete, one at a time, each line that a script exists to teach, run the tests that should notice, and
 print which deletions they catch. STYLE.md asks for this after any change to a script's strategy lines or
 to the tests: a line is guarded only if deleting it fails a test. Not a test itself (pytest does not
-collect it): it runs parts of the suite 25 times, about 18 minutes on two cores.
+collect it): it runs parts of the suite 29 times, about 22 minutes on two cores.
 
     python tests/check_deletions.py [SUBSTRING]   # only the deletions whose line contains SUBSTRING
 
@@ -71,6 +71,13 @@ DELETIONS = [
      f"{SPEED}::test_fp32_matmuls_may_use_tf32_on_cuda"),
     ("dataparallel.py", "peak *= torch.cuda.device_count()", None,
      "not on a CPU, which has no peak: MFU is shown on GPUs alone"),
+    ("ddp_amp.py", "with torch.autocast(device.type, dtype):", "if True:", "tests/test_amp.py::test_close_to_fp32"),
+    ("ddp_amp.py", "scaler.unscale_(optimizer)", None, "tests/test_amp.py::test_close_to_fp32"),
+    ("ddp_amp.py", "if scaler.get_scale() < scale:", "if False:", "tests/test_amp.py"),
+    ("ddp_amp.py", "scaler.load_state_dict(state[\"scaler\"])", None,
+     "tests/test_amp.py::test_resume_matches_an_uninterrupted_run_bit_for_bit"),
+    ("ddp_amp.py", "if args.precision == \"bf16\" and torch.cuda.get_device_capability(device) < (8, 0):", "if False:",
+     "not on a CPU: only a GPU older than Ampere lacks bf16"),
     # The copies: a line deleted from them changes their diff against single_gpu.py or ddp_torchrun.py, whose
     # sizes tests/test_structure.py knows exactly; their behaviour is tested on the scripts above.
     ("ddp_spawn.py", "dist.barrier()", None, "tests/test_structure.py"),

@@ -5,13 +5,15 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, SCRIPTS
+from conftest import FP32, ROOT, SCRIPTS
 
 SECTION = re.compile(r"^# -- (\w[\w ]*\w) -+$", re.MULTILINE)
 SIBLING_IMPORT = re.compile(r"^\s*(from|import)\s+(single_gpu|dataparallel|ddp_spawn|ddp_torchrun|ddp_amp|fsdp|pipeline)\b",
                             re.MULTILINE)
 # Lines changed against single_gpu.py, both sides counted, as `diff single_gpu.py X.py | grep -c '^[<>]'`.
-MAX_CHANGED_LINES = {"dataparallel.py": 20, "ddp_spawn.py": 105, "ddp_torchrun.py": 80}
+MAX_CHANGED_LINES = {"dataparallel.py": 20, "ddp_spawn.py": 105, "ddp_torchrun.py": 80, "ddp_amp.py": 115}
+# Scripts derived from ddp_torchrun.py, and their exact diff against it.
+CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 49, "ddp_amp.py": 46}
 
 
 def source(script):
@@ -44,19 +46,20 @@ def test_same_sections_in_the_same_order(script):
 
 
 # Data and model: what a user replaces, in every script alike. Checkpointing: one format, so that any
-# script resumes any other's.
-@pytest.mark.parametrize("script", SCRIPTS[1:])
-@pytest.mark.parametrize("section", ["data", "model", "checkpointing"])
+# script resumes any other's (ddp_amp.py adds its scaler's state, which the others ignore).
+@pytest.mark.parametrize("script, section", [(script, section) for script in SCRIPTS[1:] for section in ("data", "model")]
+                         + [(script, "checkpointing") for script in FP32[1:]])
 def test_shared_sections_are_single_gpus(script, section):
     assert sections(script)[section] == sections("single_gpu.py")[section]
 
 
-def test_the_two_ddp_scripts_differ_only_in_how_processes_start():
+@pytest.mark.parametrize("script", CHANGED_FROM_DDP_TORCHRUN)
+def test_derived_scripts_differ_from_ddp_torchrun_only_in_their_strategy(script):
     """ddp_spawn.py is ddp_torchrun.py with another way to start the processes: the docstring, two
-    imports, --nproc and its checks, setup, main's first lines and the spawn. The count is exact, so a DDP
-    line changed in one of them alone, or deleted, fails here (the tests that run them check behaviour
-    mostly on ddp_torchrun.py)."""
-    assert changed_lines("ddp_spawn.py", against="ddp_torchrun.py") == 49
+    imports, --nproc and its checks, setup, main's first lines and the spawn. ddp_amp.py is ddp_torchrun.py
+    with autocast and a loss scaler. The counts are exact, so a DDP line changed in one of them alone, or
+    deleted, fails here (the tests that run them check behaviour mostly on ddp_torchrun.py)."""
+    assert changed_lines(script, against="ddp_torchrun.py") == CHANGED_FROM_DDP_TORCHRUN[script]
 
 
 @pytest.mark.parametrize("script", SCRIPTS[1:])
@@ -67,6 +70,8 @@ def test_diff_against_single_gpu_stays_small(script):
 def test_readme_states_the_real_diff_sizes():
     readme = (ROOT / "README.md").read_text()
     for script in SCRIPTS[1:]:
-        row = re.search(rf"^\| `{re.escape(script)}` \|.*\| (\d+) \|$", readme, re.MULTILINE)
+        row = re.search(rf"^\| `{re.escape(script)}` \|.*\| (\d+) \| (\d+|-) \|$", readme, re.MULTILINE)
         assert row, f"README has no diff-size row for {script}"
         assert int(row.group(1)) == changed_lines(script), script
+        against_ddp_torchrun = CHANGED_FROM_DDP_TORCHRUN.get(script) and changed_lines(script, against="ddp_torchrun.py")
+        assert row.group(2) == str(against_ddp_torchrun or "-"), script

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (DISTRIBUTED, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, WARNING, import_script,
+from conftest import (DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, WARNING, import_script,
                       load, max_param_diff, run, scalars)
 
 LOSS_ATOL = 1e-5
@@ -40,7 +40,7 @@ def test_trains_logs_and_checkpoints(trained, script):
     assert ckpt["config"] == {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2}
 
 
-@pytest.mark.parametrize("script", SCRIPTS[1:])
+@pytest.mark.parametrize("script", FP32[1:])
 def test_same_parameters_and_losses_as_single_gpu(trained, script):
     reference, other = trained["single_gpu.py"], trained[script]
     assert reference.run.returncode == 0 and other.run.returncode == 0, other.run.output
@@ -133,7 +133,7 @@ def test_grad_clip_zero_turns_clipping_off(tmp_path):
     assert all(torch.equal(weights["0"][name], weights["1e9"][name]) for name in weights["0"])
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", FP32)  # ddp_amp.py's checkpoint functions take its scaler too: see test_amp.py
 @pytest.mark.parametrize("saved_fused", [False, True])
 def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_path):
     """A checkpoint written on a CPU holds fused=False in its parameter groups; resumed on a GPU, the

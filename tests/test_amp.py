@@ -1,0 +1,135 @@
+"""ddp_amp.py: mixed precision close to fp32, a loss scaler that skips overflowing steps without moving
+anything, exact resumes with the scale included, and checkpoints that move to and from the other scripts."""
+
+import argparse
+import logging
+
+import pytest
+import torch
+
+from conftest import STEPS, TINY, WARNING, import_script, injected, load, run, scalars
+
+# bf16 keeps 8 significant bits: two numbers closer than 2^-8 relative can round to the same bf16 value. The
+# loss after training in 16 bits must stay within that of fp32's: a difference below what bf16 can tell apart
+# (measured on TINY, 16 steps: 2.9e-5 relative in bf16, 2.4e-5 in fp16). fp16 keeps 11 bits: the same bound holds.
+LOSS_RTOL = 2**-8
+
+
+def train_loss_at_the_end(log_dir):
+    return scalars(log_dir)["train/loss"][STEPS]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_close_to_fp32(trained, precision, tmp_path):
+    if precision == "bf16":  # the default: the shared run
+        log_dir, output = trained["ddp_amp.py"].log_dir, trained["ddp_amp.py"].run.output
+    else:
+        result = run("ddp_amp.py", *TINY, "--max-steps", STEPS, "--precision", "fp16", "--log-dir", tmp_path / "tb")
+        assert result.returncode == 0 and not WARNING.search(result.output), result.output
+        log_dir, output = tmp_path / "tb", result.output
+    assert f"{precision} autocast: forward and loss in training" in output
+    fp32, amp = train_loss_at_the_end(trained["ddp_torchrun.py"].log_dir), train_loss_at_the_end(log_dir)
+    print(f"{precision}: train loss {amp:.6f} at step {STEPS}, fp32 {fp32:.6f}: relative gap {abs(amp - fp32) / fp32:.2g}")
+    assert abs(amp - fp32) <= LOSS_RTOL * fp32
+    assert abs(amp - fp32) > 1e-6 * fp32  # and yet not fp32's: the 16-bit computation happened
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_overflowing_step_changes_nothing_and_training_goes_on(fused, caplog):
+    """A scale too large for fp16 turns the gradients inf: the scaler skips the step (fused AdamW undoes it
+    inside its kernel), halves the scale, and the schedule waits; with the scale halved often enough,
+    steps are taken again."""
+    module = import_script("ddp_amp.py")
+    args = argparse.Namespace(seq_len=8, d_model=16, n_layers=1, n_heads=2, grad_accum=1, grad_clip=1.0, precision="fp16")
+    torch.manual_seed(0)
+    model, _ = module.build_model(args, {"vocab_size": 16})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+    scaler = torch.amp.GradScaler("cpu")
+    tokens = torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(0))
+    batches = iter(lambda: (tokens[:, :-1], tokens[:, 1:]), None)
+
+    def step():
+        return module.train_step(model, optimizer, scheduler, scaler, batches, args, torch.device("cpu"))
+
+    step()  # a normal step first, so that Adam has moments to keep
+    assert scheduler.last_epoch == 1
+    params = [p.detach().clone() for p in model.parameters()]
+    moments = {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(optimizer.state.values())}
+    lr = optimizer.param_groups[0]["lr"]
+    scaler.update(new_scale=2.0**40)
+
+    with caplog.at_level(logging.INFO, logger=module.log.name):
+        step()
+    assert scaler.get_scale() == 2.0**39
+    assert "optimizer step skipped, loss scale now 5.49756e+11" in caplog.text
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    for i, state in enumerate(optimizer.state.values()):
+        assert all(torch.equal(state[k], moments[i][k]) for k in state), (i, state)
+    assert scheduler.last_epoch == 1 and optimizer.param_groups[0]["lr"] == lr
+
+    skipped = 1
+    while all(torch.equal(p, q) for p, q in zip(model.parameters(), params)):
+        step()
+        skipped += 1
+        assert skipped < 40, "the scale never came down to where steps are taken"
+    print(f"fused={fused}: {skipped - 1} skipped steps, then a step at scale {scaler.get_scale():g}")
+    assert scaler.get_scale() == 2.0 ** (40 - (skipped - 1))
+    assert scheduler.last_epoch == 2
+
+
+# A start-up scale of 2^24 overflows the first steps of TINY in fp16: the runs below skip steps, so resuming must
+# restore the scale and the schedule that the skips held back.
+HIGH_SCALE = """
+import functools, torch
+torch.amp.GradScaler.__init__ = functools.partialmethod(torch.amp.GradScaler.__init__, init_scale=2.0**24)
+"""
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_resume_matches_an_uninterrupted_run_bit_for_bit(precision, tmp_path):
+    env = injected(tmp_path, HIGH_SCALE)
+    flags = [*TINY, "--precision", precision, "--lr-decay-steps", STEPS]
+    whole = run("ddp_amp.py", *flags, "--max-steps", STEPS, "--ckpt-dir", tmp_path / "whole", "--log-dir",
+                tmp_path / "tb-whole", env=env)
+    assert whole.returncode == 0, whole.output
+    if precision == "fp16":
+        assert whole.output.count("optimizer step skipped") >= 2, whole.output
+    first = run("ddp_amp.py", *flags, "--max-steps", STEPS // 2, "--ckpt-dir", tmp_path / "parts", "--log-dir",
+                tmp_path / "tb-first", env=env)
+    assert first.returncode == 0, first.output
+    second = run("ddp_amp.py", *flags, "--max-steps", STEPS, "--ckpt-dir", tmp_path / "parts", "--log-dir",
+                 tmp_path / "tb-second", env=env)
+    assert second.returncode == 0 and "resumed from" in second.output, second.output
+
+    resumed, uninterrupted = load(tmp_path / "parts"), load(tmp_path / "whole")
+    assert resumed["scaler"] == uninterrupted["scaler"] and resumed["scheduler"] == uninterrupted["scheduler"]
+    if precision == "fp16":
+        assert 1 < resumed["scaler"]["scale"] < 2.0**24
+    else:
+        assert resumed["scaler"] == {}  # bf16 needs no scaling: the scaler is off
+    for name, value in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][name], value), name
+    for index, state in uninterrupted["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(resumed["optimizer"]["state"][index][key], value), (index, key)
+    expected, got = scalars(tmp_path / "tb-whole")["train/loss"], scalars(tmp_path / "tb-second")["train/loss"]
+    assert got == {step: loss for step, loss in expected.items() if step > STEPS // 2}
+
+
+def test_checkpoints_move_to_and_from_the_other_scripts(tmp_path):
+    """ddp_torchrun.py's checkpoint resumes here in fp16 (a fresh scaler), and this script's, scaler state
+    and all, resumes in single_gpu.py, which ignores the scaler."""
+    ckpt_dir = tmp_path / "ckpt"
+    for quarter, (script, flags) in enumerate([("ddp_torchrun.py", []), ("ddp_amp.py", ["--precision", "fp16"]),
+                                               ("single_gpu.py", [])], start=1):
+        result = run(script, *TINY, *flags, "--max-steps", quarter * STEPS // 4, "--lr-decay-steps", STEPS,
+                     "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / script)
+        assert result.returncode == 0, result.output
+        assert load(ckpt_dir)["step"] == quarter * STEPS // 4
+        if quarter > 1:
+            assert f"resumed from {ckpt_dir / 'checkpoint.pt'} at step {(quarter - 1) * STEPS // 4}" in result.output
+        if script == "ddp_amp.py":
+            assert load(ckpt_dir)["scaler"]["scale"] == 2.0**16  # torch's starting scale: nothing overflowed
+    final = load(ckpt_dir)
+    assert all(value.dtype == torch.float32 for value in final["model"].values())
