@@ -64,8 +64,7 @@ def parse_args():
     parser.add_argument("--profile", action="store_true",
                         help="trace steps 7 to 9 of this run with torch.profiler: a Chrome trace per process in --log-dir")
     parser.add_argument("--precision", choices=["bf16", "fp16"], default="bf16",
-                        help="autocast's 16-bit type: bf16 where the hardware has it (CPUs, GPUs from A100 on), fp16 with "
-                             "loss scaling where not (V100, T4)")
+                        help="bf16 on GPUs from Ampere (A100) on; fp16, with loss scaling, on older ones (V100, T4)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
     own_flags = vars(parser.parse_known_args([])[0])  # checked below; the data and model sections check theirs
     # The data and model sections define their own flags: replace a section, and its flags go with it.
@@ -280,7 +279,7 @@ def setup(args):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)  # before init_process_group, so NCCL uses this process's GPU alone
         if args.precision == "bf16" and torch.cuda.get_device_capability(device) < (8, 0):  # bf16 came with Ampere
-            fail(f"--precision bf16: the {torch.cuda.get_device_name(device)} has no bf16; use --precision fp16")
+            fail(f"--precision bf16 (the default): {torch.cuda.get_device_name(device)} has no bf16; use --precision fp16")
     # torchrun sets these. Plain `python` makes a world of one, whose store may take any free port ("0"): no other
     # process has to find it.
     for name, default in [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "0")]:
@@ -329,24 +328,26 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches, args, device)
     """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor:
     reading it with .item() would wait for the GPU, so only logging steps do."""
     total_loss = torch.zeros((), device=device)
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float16
+    scale = scaler.get_scale()  # fp16: a read from the device, which the read below left idle (bf16: 1.0, no read)
     for micro_step in range(args.grad_accum):
         inputs, targets = next(micro_batches)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         # All-reduce gradients in the last micro-step only. no_sync also wraps the forward, where DDP decides.
         with model.no_sync() if micro_step < args.grad_accum - 1 else contextlib.nullcontext():
-            with torch.autocast(device.type, dtype):  # forward and loss only: weights, gradients, optimizer stay fp32
+            # Forward and loss in 16 bits where autocast deems it safe; weights, gradients and optimizer stay fp32.
+            with torch.autocast(device.type, torch.bfloat16 if args.precision == "bf16" else torch.float16):
                 loss = loss_fn(model(inputs), targets) / args.grad_accum
             scaler.scale(loss).backward()  # fp16: scaled up, so small gradients do not round to zero; bf16: as is
         total_loss += loss.detach()
     scaler.unscale_(optimizer)  # the true gradients, for clipping
     if args.grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    scale = scaler.get_scale()  # in fp16 this read and the next wait for the device: the price of seeing a skip
     scaler.step(optimizer)  # skips the update if a gradient is inf or NaN, which a too-high scale causes in fp16
     scaler.update()  # halves the scale after a skip, doubles it after 2000 steps without one
     if scaler.get_scale() < scale:  # a skipped step leaves the schedule where it is (fused AdamW included)
         log.info(f"inf or NaN gradients: optimizer step skipped, loss scale now {scaler.get_scale():g}")
+        if scaler.get_scale() < 1:  # the gradients overflow unscaled: no scale can save them
+            fail("gradients are inf or NaN at a loss scale below 1: training diverged; try a lower --lr, or bf16")
     else:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -448,7 +449,7 @@ def main(args):
              f"samples | {len(val_set)} of {num_val} validation samples per evaluation")
     log.info(f"global batch {args.batch_size} = {per_process_batch_size} per process x {args.grad_accum} "
              f"accumulation steps x world size {world_size}")
-    log.info(f"{args.precision} autocast: forward and loss in training" + (", loss scaling" if scaler.is_enabled() else "") +
+    log.info(f"{args.precision} autocast: forward and loss" + (", with loss scaling" if scaler.is_enabled() else "") +
              " | fp32: weights, gradients and their all-reduce, optimizer, evaluation")
 
     step = 0

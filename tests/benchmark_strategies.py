@@ -75,6 +75,8 @@ def main():
     parser.add_argument("--max-steps", type=int, default=100)
     parser.add_argument("--log-every", type=int, default=10)
     args, flags = parser.parse_known_args()
+    if args.max_steps // args.log_every < 3:
+        parser.error("--max-steps must cover at least 3 logging intervals: the first two may be warm-up")
     configs = args.configs + ([f"{config} --compile" for config in args.configs] if args.compile else [])
     flags += ["--max-steps", str(args.max_steps), "--log-every", str(args.log_every), "--eval-every", "100000"]
     runs = {config: [] for config in configs}
