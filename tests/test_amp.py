@@ -36,24 +36,31 @@ def test_close_to_fp32(trained, precision, tmp_path):
     assert abs(amp - fp32) > 1e-6 * fp32  # and yet not fp32's: the 16-bit computation happened
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_an_overflowing_step_changes_nothing_and_training_goes_on(fused, caplog):
-    """A scale too large for fp16 turns the gradients inf: the scaler skips the step (fused AdamW undoes it
-    inside its kernel), halves the scale, and the schedule waits; with the scale halved often enough,
-    steps are taken again."""
+def tiny_fp16_training(fused=False, init_scale=2.0**16):
+    """ddp_amp.py's own train_step on a one-block GPT in one process (no group: one micro-batch needs no no_sync),
+    and a function that runs one optimizer step of it."""
     module = import_script("ddp_amp.py")
     args = argparse.Namespace(seq_len=8, d_model=16, n_layers=1, n_heads=2, grad_accum=1, grad_clip=1.0, precision="fp16")
     torch.manual_seed(0)
     model, _ = module.build_model(args, {"vocab_size": 16})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
-    scaler = torch.amp.GradScaler("cpu")
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     tokens = torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(0))
     batches = iter(lambda: (tokens[:, :-1], tokens[:, 1:]), None)
 
     def step():
-        return module.train_step(model, optimizer, scheduler, scaler, batches, args, torch.device("cpu"))
+        module.train_step(model, optimizer, scheduler, scaler, batches, args, torch.device("cpu"))
 
+    return module, model, optimizer, scheduler, scaler, step
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_overflowing_step_changes_nothing_and_training_goes_on(fused, caplog):
+    """A scale too large for fp16 turns the gradients inf: the scaler skips the step (fused AdamW undoes it
+    inside its kernel), halves the scale, and the schedule waits; with the scale halved often enough,
+    steps are taken again."""
+    module, model, optimizer, scheduler, scaler, step = tiny_fp16_training(fused=fused)
     step()  # a normal step first, so that Adam has moments to keep
     assert scheduler.last_epoch == 1
     params = [p.detach().clone() for p in model.parameters()]
@@ -83,26 +90,19 @@ def test_an_overflowing_step_changes_nothing_and_training_goes_on(fused, caplog)
 def test_gradients_that_overflow_at_every_scale_stop_the_run():
     """Weights that have become inf make every gradient NaN: each step is skipped and the scale halves, and once
     it falls below 1 no scale can help. The run stops with one line instead of skipping forever."""
-    module = import_script("ddp_amp.py")
-    args = argparse.Namespace(seq_len=8, d_model=16, n_layers=1, n_heads=2, grad_accum=1, grad_clip=1.0, precision="fp16")
-    model, _ = module.build_model(args, {"vocab_size": 16})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    _, model, _, scheduler, scaler, step = tiny_fp16_training(init_scale=4.0)
     with torch.no_grad():
         model.head.weight.fill_(float("inf"))
-    tokens = torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(0))
-    batches = iter(lambda: (tokens[:, :-1], tokens[:, 1:]), None)
     for scale in [2.0, 1.0]:  # skipped, halved
-        module.train_step(model, optimizer, scheduler, scaler, batches, args, torch.device("cpu"))
+        step()
         assert scaler.get_scale() == scale
     with pytest.raises(SystemExit, match="inf or NaN at a loss scale below 1: training diverged"):
-        module.train_step(model, optimizer, scheduler, scaler, batches, args, torch.device("cpu"))
+        step()
     assert scheduler.last_epoch == 0
 
 
-@pytest.mark.parametrize("name, capability, fails", [("Tesla V100-SXM2-16GB", (7, 0), True), ("Tesla T4", (7, 5), True),
-                                                     ("NVIDIA A100-SXM4-80GB", (8, 0), False)])
+@pytest.mark.parametrize("name, capability, fails", [
+    ("Tesla V100-SXM2-16GB", (7, 0), True), ("Tesla T4", (7, 5), True), ("NVIDIA A100-SXM4-80GB", (8, 0), False)])
 def test_bf16_on_a_gpu_without_it_names_fp16(monkeypatch, name, capability, fails):
     """Before Ampere (compute capability 8) GPUs have no bf16: the default then stops before joining the group."""
     module = import_script("ddp_amp.py")
