@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (file, the line's text, what replaces it (None: `pass`), the tests that should fail, or why none can).
 TRAINING, BAD_INPUT, SPEED = "tests/test_training.py", "tests/test_bad_input.py", "tests/test_speed.py"
+FSDP = "tests/test_fsdp.py"
 DELETIONS = [
     ("ddp_torchrun.py", "sampler.set_epoch(step // steps_per_epoch)", None, TRAINING),
     ("ddp_torchrun.py", "DistributedSampler(train_set, seed=args.seed, drop_last=True)",
@@ -77,11 +78,26 @@ DELETIONS = [
     ("ddp_amp.py", "scaler.load_state_dict(state[\"scaler\"])", None,
      "tests/test_amp.py::test_resume_matches_an_uninterrupted_run_bit_for_bit"),
     ("ddp_amp.py", "if args.precision == \"bf16\" and torch.cuda.get_device_capability(device) < (8, 0):", "if False:",
-     "tests/test_amp.py::test_bf16_on_a_gpu_without_it_names_fp16"),
+     "tests/test_amp.py::test_bf16_on_a_gpu_without_it_names_another_precision"),
     ("ddp_amp.py", "scaler.update()", None, "tests/test_amp.py"),
     ("ddp_amp.py", "scaler.scale(loss).backward()", "loss.backward()", "tests/test_amp.py"),
     ("ddp_amp.py", "if scaler.get_scale() < 1:", "if False:",
      "tests/test_amp.py::test_gradients_that_overflow_at_every_scale_stop_the_run"),
+    ("fsdp.py", "fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(bf16, torch.float32))", None,
+     f"{SPEED}::test_profile_writes_a_trace_per_process"),
+    ("fsdp.py", "for _ in range(num_batches.item() - len(loader)):", "for _ in range(0):", TRAINING),
+    ("fsdp.py", "os.replace(path + \".tmp\", path)", None, FSDP),
+    ("fsdp.py", "shutil.rmtree(os.path.join(directory, old))", None,
+     f"{FSDP}::test_resume_matches_an_uninterrupted_run_bit_for_bit"),
+    ("fsdp.py", "saved[\"state\"] = {names[i] if isinstance(i, int) else i: value for i, value in saved[\"state\"].items()}",
+     None, f"{FSDP}::test_checkpoints_convert_both_ways"),
+    ("fsdp.py", "e = next(iter(e.failures.values()))[0] if isinstance(e, dcp.CheckpointException) else e", None,
+     f"{FSDP}::test_corrupt_shard_is_reported_and_kept"),
+    ("fsdp.py", "whole = read_checkpoint(path, None)[\"step\"] > read_checkpoint(path, {\"step\": 0})[\"step\"]",
+     None, f"{FSDP}::test_checkpoints_convert_both_ways"),
+    ("fsdp.py", "if args.precision == \"bf16\" and torch.cuda.get_device_capability(device) < (8, 0):", "if False:",
+     "tests/test_amp.py::test_bf16_on_a_gpu_without_it_names_another_precision"),
+    ("fsdp.py", "block.compile()", None, f"{FSDP}::test_compiled_blocks_train_like_eager"),
     # The copies: a line deleted from them changes their diff against single_gpu.py or ddp_torchrun.py, whose
     # sizes tests/test_structure.py knows exactly; their behaviour is tested on the scripts above.
     ("ddp_spawn.py", "dist.barrier()", None, "tests/test_structure.py"),

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py"]
-DISTRIBUTED = ["ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py"]
-# The scripts that compute in fp32 and so reach single_gpu.py's numbers within PARAM_ATOL. ddp_amp.py computes in
-# 16 bits: tests/test_amp.py holds it to fp32 within a bound that bf16's precision sets.
+SCRIPTS = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py"]
+DISTRIBUTED = ["ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py"]
+TORCHRUN = ["ddp_torchrun.py", "ddp_amp.py", "fsdp.py"]  # started by torchrun: plain python is a world of one
+# The scripts that compute in fp32 (fsdp.py by default) and so reach single_gpu.py's numbers within PARAM_ATOL.
+# ddp_amp.py computes in 16 bits: tests/test_amp.py holds it to fp32 within a bound that bf16's precision sets.
 FP32 = [script for script in SCRIPTS if script != "ddp_amp.py"]
 LAUNCHER = ROOT / "launch_distributed.sh"
 
@@ -49,10 +50,10 @@ class Run:
 
 
 def command(script, nproc=2):
-    """How a user starts each script (a file here, or a changed copy elsewhere): torchrun for ddp_torchrun.py
-    and ddp_amp.py, plain python for the rest."""
+    """How a user starts each script (a file here, or a changed copy elsewhere): torchrun for those in
+    TORCHRUN, plain python for the rest."""
     path, name = str(ROOT / script), Path(script).name
-    if name in ("ddp_torchrun.py", "ddp_amp.py"):
+    if name in TORCHRUN:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", path]
     if name == "ddp_spawn.py":
         return [sys.executable, path, "--nproc", str(nproc)]
@@ -192,8 +193,22 @@ def scalars(log_dir):
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
+def checkpoint_name(script):
+    """What a script keeps in its --ckpt-dir: fsdp.py a link to a directory of shards, the others one file."""
+    return "checkpoint" if script == "fsdp.py" else "checkpoint.pt"
+
+
 def load(ckpt_dir):
-    return torch.load(Path(ckpt_dir) / "checkpoint.pt", weights_only=True)
+    """The checkpoint in ckpt_dir as one state dict: checkpoint.pt, or fsdp.py's shards in checkpoint/, converted
+    by the command the README gives."""
+    shards, whole = Path(ckpt_dir) / "checkpoint", Path(ckpt_dir) / "checkpoint.pt"
+    assert not (shards.exists() and whole.exists()), f"{ckpt_dir} holds two checkpoints"
+    if shards.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch", shards,
+                            Path(tmp) / "checkpoint.pt"], check=True, capture_output=True)
+            return torch.load(Path(tmp) / "checkpoint.pt", weights_only=True)
+    return torch.load(whole, weights_only=True)
 
 
 # Where the scripts may differ at all, they differ only in the order of fp32 additions: a

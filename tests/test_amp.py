@@ -101,11 +101,14 @@ def test_gradients_that_overflow_at_every_scale_stop_the_run():
     assert scheduler.last_epoch == 0
 
 
+# What each script's --precision offers instead: ddp_amp.py fp16 (with loss scaling), fsdp.py fp32.
+@pytest.mark.parametrize("script, advice", [("ddp_amp.py", r" \(the default\): {} has no bf16; use --precision fp16"),
+                                            ("fsdp.py", r": {} has no bf16; use --precision fp32")])
 @pytest.mark.parametrize("name, capability, fails", [
     ("Tesla V100-SXM2-16GB", (7, 0), True), ("Tesla T4", (7, 5), True), ("NVIDIA A100-SXM4-80GB", (8, 0), False)])
-def test_bf16_on_a_gpu_without_it_names_fp16(monkeypatch, name, capability, fails):
-    """Before Ampere (compute capability 8) GPUs have no bf16: the default then stops before joining the group."""
-    module = import_script("ddp_amp.py")
+def test_bf16_on_a_gpu_without_it_names_another_precision(monkeypatch, script, advice, name, capability, fails):
+    """Before Ampere (compute capability 8) GPUs have no bf16: --precision bf16 then stops before joining the group."""
+    module = import_script(script)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -118,7 +121,7 @@ def test_bf16_on_a_gpu_without_it_names_fp16(monkeypatch, name, capability, fail
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
     args = argparse.Namespace(device=None, precision="bf16", seed=0, timeout=60)
     if fails:
-        with pytest.raises(SystemExit, match=f"--precision bf16 \\(the default\\): {name} has no bf16; use --precision fp16"):
+        with pytest.raises(SystemExit, match="--precision bf16" + advice.format(name)):
             module.setup(args)
         assert not joined
     else:

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from conftest import DISTRIBUTED, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, command, injected, load, run, run_command
+from conftest import DISTRIBUTED, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, TORCHRUN, command, injected, load, run, run_command
 
 
 def fails_cleanly(script, args, message, timeout=30, flags=TINY):
@@ -22,7 +22,7 @@ def fails_cleanly(script, args, message, timeout=30, flags=TINY):
     # torchrun's agent prints its own report of a failed worker (with its own traceback); the
     # script itself must not crash with one.
     assert f'{script}", line' not in result.output, result.output
-    if script not in ("ddp_torchrun.py", "ddp_amp.py"):
+    if script not in TORCHRUN:
         assert "Traceback" not in result.output, result.output
     return result
 
@@ -174,7 +174,7 @@ def test_diverging_run_stops_and_keeps_the_last_checkpoint(trained, script, tmp_
     assert f"at step {STEPS}" in result.output and load(tmp_path)["step"] == 2 * STEPS
 
 
-@pytest.mark.parametrize("script", ONE_AND_DDP)
+@pytest.mark.parametrize("script", [*ONE_AND_DDP, "fsdp.py"])  # fsdp.py: each rank checks its shards, then all agree
 def test_weights_that_blow_up_are_never_checkpointed(script, tmp_path):
     """With --lr 1e30 the first step leaves huge but finite weights (checkpointed), and the second
     non-finite ones: the run stops at that checkpoint, before the loss is next logged (step 3), and keeps

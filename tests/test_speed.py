@@ -122,3 +122,5 @@ def test_profile_writes_a_trace_per_process(script, tmp_path):
         assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, sorted(names)
         # The gradients' all-reduce, for DDP: gloo's here, NCCL's ("nccl:all_reduce") on GPUs.
         assert any(name.endswith(":all_reduce") for name in names) == (script in DISTRIBUTED), sorted(names)
+        if script == "fsdp.py":  # each block's weights gathered, and the gradients reduce-scattered
+            assert {"FSDP::all_gather (blocks.0)", "c10d::_reduce_scatter_base_"} <= names, sorted(names)

@@ -11,9 +11,9 @@ SECTION = re.compile(r"^# -- (\w[\w ]*\w) -+$", re.MULTILINE)
 SIBLING_IMPORT = re.compile(r"^\s*(from|import)\s+(single_gpu|dataparallel|ddp_spawn|ddp_torchrun|ddp_amp|fsdp|pipeline)\b",
                             re.MULTILINE)
 # Lines changed against single_gpu.py, both sides counted, as `diff single_gpu.py X.py | grep -c '^[<>]'`.
-MAX_CHANGED_LINES = {"dataparallel.py": 20, "ddp_spawn.py": 105, "ddp_torchrun.py": 80, "ddp_amp.py": 115}
+MAX_CHANGED_LINES = {"dataparallel.py": 20, "ddp_spawn.py": 105, "ddp_torchrun.py": 80, "ddp_amp.py": 115, "fsdp.py": 228}
 # Scripts derived from ddp_torchrun.py, and their exact diff against it.
-CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 49, "ddp_amp.py": 47}
+CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 49, "ddp_amp.py": 47, "fsdp.py": 180}
 
 
 def source(script):
@@ -46,9 +46,10 @@ def test_same_sections_in_the_same_order(script):
 
 
 # Data and model: what a user replaces, in every script alike. Checkpointing: one format, so that any
-# script resumes any other's (ddp_amp.py adds its scaler's state, which the others ignore).
+# script resumes any other's (ddp_amp.py adds its scaler's state, which the others ignore; fsdp.py writes
+# shards, reads checkpoint.pt too, and converts: tests/test_fsdp.py).
 @pytest.mark.parametrize("script, section", [(script, section) for script in SCRIPTS[1:] for section in ("data", "model")]
-                         + [(script, "checkpointing") for script in FP32[1:]])
+                         + [(script, "checkpointing") for script in FP32[1:] if script != "fsdp.py"])
 def test_shared_sections_are_single_gpus(script, section):
     assert sections(script)[section] == sections("single_gpu.py")[section]
 
@@ -57,7 +58,8 @@ def test_shared_sections_are_single_gpus(script, section):
 def test_derived_scripts_differ_from_ddp_torchrun_only_in_their_strategy(script):
     """ddp_spawn.py is ddp_torchrun.py with another way to start the processes: the docstring, two
     imports, --nproc and its checks, setup, main's first lines and the spawn. ddp_amp.py is ddp_torchrun.py
-    with autocast and a loss scaler. The counts are exact, so a DDP line changed in one of them alone, or
+    with autocast and a loss scaler. fsdp.py is ddp_torchrun.py with sharding for the wrap, and sharded
+    checkpoints. The counts are exact, so a DDP line changed in one of them alone, or
     deleted, fails here (the tests that run them check behaviour mostly on ddp_torchrun.py)."""
     assert changed_lines(script, against="ddp_torchrun.py") == CHANGED_FROM_DDP_TORCHRUN[script]
 

@@ -6,9 +6,11 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from conftest import (DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, WARNING, import_script,
-                      load, max_param_diff, run, scalars)
+from conftest import (DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, WARNING, checkpoint_name,
+                      import_script, load, max_param_diff, run, scalars)
 
 LOSS_ATOL = 1e-5
 
@@ -135,17 +137,23 @@ def test_grad_clip_zero_turns_clipping_off(tmp_path):
 
 @pytest.mark.parametrize("script", FP32)  # ddp_amp.py's checkpoint functions take its scaler too: see test_amp.py
 @pytest.mark.parametrize("saved_fused", [False, True])
-def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_path):
+def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_path, request):
     """A checkpoint written on a CPU holds fused=False in its parameter groups; resumed on a GPU, the
     optimizer must still run the fused kernel that this run built it with (and a GPU's checkpoint on a
     CPU, the other way round). Fused AdamW runs on CPUs too, so both directions are checked here."""
     module = import_script(script)
+    sharded = script == "fsdp.py"  # its functions need a process group: a world of one, in this process
+    if sharded:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        request.addfinalizer(dist.destroy_process_group)
     flags = argparse.Namespace(seq_len=4, d_model=8, n_layers=1, n_heads=2)
     tokens = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(0))
 
     def build(fused):
         torch.manual_seed(0)
         model, config = module.build_model(flags, {"vocab_size": 16})
+        if sharded:
+            module.shard_model(model, argparse.Namespace(precision="fp32", compile=False), torch.device("cpu"))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
         return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), config
 
@@ -157,7 +165,7 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
 
     *saved, config = build(fused=saved_fused)
     train_one_step(*saved)
-    path = str(tmp_path / "checkpoint.pt")
+    path = str(tmp_path / checkpoint_name(script))
     module.save_checkpoint(path, *saved, 1, config)
 
     model, optimizer, scheduler, config = build(fused=not saved_fused)
@@ -165,9 +173,13 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
     assert [group["fused"] for group in optimizer.param_groups] == [not saved_fused]
     for param, saved_param in zip(model.parameters(), saved[0].parameters()):  # Adam's moments arrived
         for key in "exp_avg", "exp_avg_sq":
-            assert torch.equal(optimizer.state[param][key], saved[1].state[saved_param][key])
+            assert torch.equal(local(optimizer.state[param][key]), local(saved[1].state[saved_param][key]))
     train_one_step(model, optimizer, scheduler)  # and the kernel runs with them
     assert all(optimizer.state[param]["step"].item() == 2 for param in model.parameters())
+
+
+def local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def test_text_file_is_mapped_not_copied(tmp_path):

@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from conftest import DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, WARNING, load, max_param_diff, run, scalars
+from conftest import (DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, WARNING, checkpoint_name, load, max_param_diff, run,
+                      scalars)
 
 # The replacement sections, written once for every script. Everything the scripts' main() needs from them:
 # add_data_args, build_datasets, add_model_args, build_model, loss_fn, count_correct and throughput_unit.
@@ -60,15 +61,19 @@ class ConvNet(nn.Module):
     def __init__(self, num_classes, width, batch_norm, dropout):
         super().__init__()
         norm = nn.BatchNorm2d if batch_norm else lambda channels: nn.Identity()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, width, 3, padding=1), norm(width), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), norm(2 * width), nn.ReLU(),
-            nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Dropout(dropout),
-        )
+        # The repeated layers in a container named blocks, as in the GPT: fsdp.py shards each block alone.
+        self.blocks = nn.ModuleDict({
+            "0": nn.Sequential(nn.Conv2d(1, width, 3, padding=1), norm(width), nn.ReLU()),
+            "1": nn.Sequential(nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), norm(2 * width), nn.ReLU()),
+        })
+        self.pool = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Dropout(dropout))
         self.head = nn.Linear(2 * width, num_classes)
 
     def forward(self, images):
-        return self.head(self.features(images))
+        x = images
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.pool(x))
 
 
 def build_model(args, data_info):
@@ -143,7 +148,7 @@ def test_a_classifier_trains_checkpoints_resumes_and_matches_single_gpu(script, 
     first, first_tb = train(path, tmp_path, "--ckpt-dir", ckpt_dir, "--lr-decay-steps", STEPS, steps=STEPS // 2, tag="first")
     assert "images of 12x12 pixels in 4 classes" in first.output and first.output.count("val accuracy") == 2
     second, tb = train(path, tmp_path, "--ckpt-dir", ckpt_dir, tag="second")
-    assert f"resumed from {ckpt_dir / 'checkpoint.pt'} at step {STEPS // 2}" in second.output
+    assert f"resumed from {ckpt_dir / checkpoint_name(script)} at step {STEPS // 2}" in second.output
     print(f"{script}: held-out accuracy {tb['val/accuracy'][STEPS]:.3f} after {STEPS} steps (chance {CHANCE})")
     assert tb["val/accuracy"][STEPS] >= CHANCE + MARGIN, tb["val/accuracy"]
 
@@ -172,7 +177,7 @@ def test_a_classifier_trains_checkpoints_resumes_and_matches_single_gpu(script, 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_batch_norm_classifier_trains(script, reference, tmp_path):
     """BatchNorm normalises with the statistics of each forward pass's own samples: 16 in single_gpu.py
-    (2 micro-batches of the global 32), 8 in each process of the DDP scripts (2 processes x 2), so their
+    (2 micro-batches of the global 32), 8 in each process of the distributed ones (2 processes x 2), so their
     weights move away from single_gpu.py's while training works as well. dataparallel.py on a CPU is
     single_gpu.py."""
     path = with_classifier(script, tmp_path)
@@ -180,7 +185,7 @@ def test_a_batch_norm_classifier_trains(script, reference, tmp_path):
     print(f"{script} with BatchNorm: held-out accuracy {tb['val/accuracy'][STEPS]:.3f}")
     assert tb["val/accuracy"][STEPS] >= CHANCE + MARGIN, tb["val/accuracy"]
     weights = load(tmp_path / "ckpt")["model"]
-    assert "features.1.running_mean" in weights
+    assert "blocks.0.1.running_mean" in weights
     difference = max_param_diff(weights, reference["batch_norm"])
     print(f"{script} with BatchNorm: largest difference from single_gpu.py's weights {difference:.2g}")
     if script in DISTRIBUTED:

@@ -1,0 +1,621 @@
+"""Train a small GPT with FSDP2: each of N processes holds 1/N of the weights, gradients and optimizer state.
+
+    torchrun --standalone --nproc_per_node=2 fsdp.py              # one node; --precision bf16 computes in bf16
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=JOB fsdp.py
+    tensorboard --logdir runs            # loss, accuracy, learning rate and throughput
+
+--data FILE trains a byte-level model of any text file, --ckpt-dir DIR checkpoints in shards (run again
+to resume, on any number of processes), --d-model, --n-layers, --n-heads and --seq-len scale the model;
+--help lists every flag.
+"""
+
+import argparse
+import atexit
+import contextlib
+import datetime
+import gc
+import itertools
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.tensorboard import SummaryWriter
+
+log = logging.getLogger(__name__)
+
+
+# -- configuration ------------------------------------------------------------
+
+
+def fail(message):
+    """Exit with a one-line error and no traceback: bad input is for the user to fix."""
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=32, help="global batch: samples per optimizer step")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps to train for")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=30, help="steps of linear learning-rate warmup")
+    parser.add_argument("--lr-decay-steps", type=int, help="cosine decay ends here (default: --max-steps)")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm; 0 turns clipping off")
+    parser.add_argument("--log-every", type=int, default=10, help="steps between console and TensorBoard logs")
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
+    parser.add_argument("--eval-batches", type=int, default=20,
+                        help="validation batches of --batch-size samples per pass, the first of the split")
+    parser.add_argument("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]),
+                        help="TensorBoard directory")
+    parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint here, a directory of shards, and resume from it "
+                        "(or from another script's DIR/checkpoint.pt; default: off)")
+    parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: weights gathered and computed in bf16, gradients reduced and stepped in fp32")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each of model.blocks: slower start, faster steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace steps 7 to 9 of this run with torch.profiler: a Chrome trace per process in --log-dir")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
+    own_flags = vars(parser.parse_known_args([])[0])  # checked below; the data and model sections check theirs
+    # The data and model sections define their own flags: replace a section, and its flags go with it.
+    add_data_args(parser.add_argument_group("data (the data section's flags)"))
+    add_model_args(parser.add_argument_group("model (the model section's flags)"))
+    args = parser.parse_args()
+    zero_or_more = ["warmup_steps", "weight_decay", "grad_clip"]  # 0 turns each off; every other number must be positive
+    for name, value in vars(args).items():  # the seed may be any integer: the rest would fail later, or train nothing
+        if name not in own_flags or type(value) not in (int, float) or name == "seed":
+            continue
+        if not math.isfinite(value) or value < 0 or (value == 0 and name not in zero_or_more):
+            fail(f"--{name.replace('_', '-')} must be {'zero or more' if name in zero_or_more else 'positive'}, got {value}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda, but no CUDA device is available")
+    for flag, path in [("--log-dir", args.log_dir), ("--ckpt-dir", args.ckpt_dir)]:
+        if path:  # checked now, not at the first checkpoint: the training until then would be lost
+            try:
+                os.makedirs(path, exist_ok=True)
+                tempfile.TemporaryFile(dir=path).close()
+            except OSError as e:
+                fail(f"{flag} {path} is not a directory this process can write to: {e.strerror}")
+    args.lr_decay_steps = args.lr_decay_steps or args.max_steps
+    return args
+
+
+# -- data ---------------------------------------------------------------------
+
+
+def add_data_args(parser):
+    parser.add_argument("--data", help="train a byte-level model on this text file (default: built-in data)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per training sequence")
+
+
+def markov_sequences(seq_len, num_tokens=2**18, vocab_size=64, seed=1234):
+    """Sequences from a fixed random Markov chain, num_tokens in all: learnable, and its entropy rate
+    is the lowest loss any model can reach, so the log can show how close training gets."""
+    num_seqs = num_tokens // seq_len
+    if num_seqs < 10:
+        fail(f"--seq-len {seq_len} cuts the built-in data's {num_tokens:,} tokens into fewer than 10 sequences: use --data")
+    gen = torch.Generator().manual_seed(seed)
+    transitions = torch.softmax(3 * torch.randn(vocab_size, vocab_size, generator=gen, dtype=torch.float64), 1)
+    stationary = torch.full((vocab_size,), 1 / vocab_size, dtype=torch.float64)
+    for _ in range(200):
+        stationary = stationary @ transitions
+    entropy_rate = -(stationary[:, None] * transitions * transitions.log()).sum().item()
+    log.info(f"built-in data: a random Markov chain over {vocab_size} tokens; its entropy rate, {entropy_rate:.4f}, "
+             f"is the lowest loss any model can reach")
+    tokens = torch.empty(num_seqs, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.multinomial(stationary, num_seqs, replacement=True, generator=gen)
+    for t in range(seq_len):
+        tokens[:, t + 1] = torch.multinomial(transitions[tokens[:, t]], 1, generator=gen)[:, 0]
+    return tokens, vocab_size
+
+
+def text_file_sequences(path, seq_len):
+    """Consecutive chunks of a file's bytes: a byte-level language model with a vocabulary of 256.
+    The file is memory-mapped, not read: its bytes stay in the page cache, one copy for every
+    process on the machine."""
+    if not os.path.isfile(path):
+        fail(f"--data {path}: no such file")
+    size = os.path.getsize(path)
+    num_seqs = (size - 1) // seq_len
+    if num_seqs < 10:
+        fail(f"--data {path} has {size} bytes; --seq-len {seq_len} needs at least {10 * seq_len + 1}")
+    tokens = torch.from_file(path, size=num_seqs * seq_len + 1, dtype=torch.uint8)  # copy-on-write: never changes the file
+    # Chunk i is tokens[i*seq_len : (i+1)*seq_len + 1]: neighbours share one token, the next target.
+    return tokens.as_strided((num_seqs, seq_len + 1), (seq_len, 1)), 256
+
+
+class TokenSequences(Dataset):
+    """Row i of a (sequences, seq_len + 1) tensor of tokens as an (input, target) pair, the target
+    shifted by one token. Rows become int64 only when fetched: a file's bytes stay bytes in memory."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return self.tokens[i, :-1].long(), self.tokens[i, 1:].long()
+
+
+def build_datasets(args):
+    """Train and validation sets of (input, target) pairs, the last tenth held out, and what the model
+    section needs to know of the data: here the vocabulary size."""
+    if args.seq_len <= 0:
+        fail(f"--seq-len must be positive, got {args.seq_len}")
+    if args.data:
+        tokens, vocab_size = text_file_sequences(args.data, args.seq_len)
+    else:
+        tokens, vocab_size = markov_sequences(args.seq_len)
+    dataset = TokenSequences(tokens)
+    num_train = len(dataset) - len(dataset) // 10
+    train_set, val_set = Subset(dataset, range(num_train)), Subset(dataset, range(num_train, len(dataset)))
+    return train_set, val_set, {"vocab_size": vocab_size}
+
+
+# -- model --------------------------------------------------------------------
+
+
+def add_model_args(parser):
+    parser.add_argument("--d-model", type=int, default=64, help="width of the model")
+    parser.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--n-heads", type=int, default=4, help="attention heads; must divide --d-model")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP, each added to the residual."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.attn_norm = nn.LayerNorm(config.d_model)
+        # No bias: a key bias shifts a query's scores all alike, which softmax ignores, so its gradient
+        # is rounding noise that Adam would amplify into steps of full size.
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.attn_out = nn.Linear(config.d_model, config.d_model)
+        self.mlp_norm = nn.LayerNorm(config.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(), nn.Linear(4 * config.d_model, config.d_model)
+        )
+
+    def forward(self, x):
+        batch, seq_len, d_model = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(d_model, dim=-1)
+        q, k, v = (t.view(batch, seq_len, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_out(attn.transpose(1, 2).reshape(batch, seq_len, d_model))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        # Blocks by name ("0", "1", ...): FSDP shards them one at a time, a pipeline stage keeps some.
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.norm = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens):
+        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def flops_per_token(self):
+        """Training FLOPs per token as the PaLM paper (appendix B) and nanoGPT count them: 6 per parameter, for
+        the forward and backward matmuls (embeddings excepted: lookups), plus attention's 12 x layers x d_model x seq_len."""
+        matmul_params = sum(p.numel() for p in self.parameters()) - self.tok_emb.weight.numel() - self.pos_emb.weight.numel()
+        return 6 * matmul_params + 12 * self.config.n_layers * self.config.d_model * self.config.seq_len
+
+
+def build_model(args, data_info):
+    """The model to train, and its configuration: a dict that checkpoints keep and a resumed run must match."""
+    for name in "d_model", "n_layers", "n_heads":
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.d_model % args.n_heads:
+        fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
+    config = ModelConfig(data_info["vocab_size"], args.seq_len, args.d_model, args.n_layers, args.n_heads)
+    log.info(f"a uniform guess over {config.vocab_size} tokens scores a loss of {math.log(config.vocab_size):.4f}")
+    return GPT(config), asdict(config)
+
+
+def loss_fn(logits, targets, reduction="mean"):
+    """Cross-entropy of each next-token prediction: logits (batch, seq_len, vocab), targets (batch, seq_len)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+
+
+def count_correct(logits, targets):
+    """Correct next-token predictions, and predictions made (the terms loss_fn adds up)."""
+    return (logits.argmax(-1) == targets).sum(), targets.numel()
+
+
+def throughput_unit(model, args):
+    """What the step line counts per second: tokens, --seq-len of them per sample, each worth flops_per_token."""
+    return "tokens", args.seq_len, model.flops_per_token()
+
+
+# -- setup --------------------------------------------------------------------
+
+
+def leave_process_group():
+    """Destroy the process group, then collect garbage: without the collect, gloo's threads can race Python's
+    teardown and abort the process (pytorch/pytorch#190489; measured in README, troubleshooting)."""
+    dist.destroy_process_group()
+    gc.collect()
+
+
+def setup(args):
+    """Prepare this process to train: pick its device and seed the model's initialisation."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)  # before init_process_group, so NCCL uses this process's GPU alone
+        if args.precision == "bf16" and torch.cuda.get_device_capability(device) < (8, 0):  # bf16 came with Ampere
+            fail(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bf16; use --precision fp32")
+    # torchrun sets these. Plain `python` makes a world of one, whose store may take any free port ("0"): no other
+    # process has to find it.
+    for name, default in [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "0")]:
+        os.environ.setdefault(name, default)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    atexit.register(leave_process_group)  # on every exit path, errors included
+    # fp32 matmuls on TF32 tensor cores, on GPUs from Ampere on: 495 instead of 67 TFLOP/s on an H100 (its datasheet),
+    # for a 10-bit mantissa that training does not notice (nanoGPT does the same). Nothing changes on a CPU.
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    return device
+
+
+def shard_model(model, args, device):
+    """Shard the model in place over every rank. Each of model.blocks becomes a unit that FSDP gathers whole just
+    before it runs and frees after; the root unit holds the rest (for the GPT: embeddings, final norm, head). A model
+    without model.blocks is one unit, gathered whole for every forward and backward."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # explicit: the default mesh assumes a GPU
+    # bf16: each unit's weights are gathered in bf16 and compute in bf16; gradients are reduced in fp32 into the fp32
+    # shards that the optimizer steps. Not inherited: every unit gets the policy, and the root's also casts the
+    # model's outputs to fp32, for the loss (a block's would hand the root's own bf16 LayerNorm fp32, which it refuses).
+    param_dtype = torch.bfloat16 if args.precision == "bf16" else None  # None: as they are, fp32
+    for block in model.blocks.children() if hasattr(model, "blocks") else []:
+        if args.compile:  # in place, each block alone (the root stays eager): FSDP's gathers run between the graphs
+            block.compile()
+        fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                                                 output_dtype=torch.float32))
+    # The parameters are DTensors now, each rank holding its rows of each.
+
+
+def local_bytes(tensors):
+    """Bytes of the tensors that this rank holds: of a DTensor, its local shard."""
+    return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
+
+
+def peak_flops(device):
+    """The dense bf16 peak FLOP/s of a GPU in NVIDIA's datasheets, to measure MFU against; None for any other."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peaks = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H200": 989e12}  # H100 and H200 SXM
+    return 312e12 if name.startswith("NVIDIA A100") else peaks.get(name)
+
+
+# -- training step ------------------------------------------------------------
+
+
+def configure_optimizer(model, args, device):
+    """AdamW with decay on matrices only, and a schedule of linear warmup then cosine decay to lr/10."""
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # biases and norms
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+    def lr_factor(step):
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.lr_decay_steps - args.warmup_steps))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+def train_step(model, optimizer, scheduler, micro_batches, args, device):
+    """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor:
+    reading it with .item() would wait for the GPU, so only logging steps do."""
+    total_loss = torch.zeros((), device=device)
+    for micro_step in range(args.grad_accum):
+        inputs, targets = next(micro_batches)
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        # Every backward reduce-scatters its gradients: each rank accumulates only its shard of the averaged gradients
+        # (1/N memory, a reduce-scatter per micro-batch). model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)
+        # would keep whole gradients on every rank until the last micro-batch and reduce once: DDP's memory, less traffic.
+        loss = loss_fn(model(inputs), targets) / args.grad_accum
+        loss.backward()
+        total_loss += loss.detach()
+    if args.grad_clip:  # the norm of the sharded gradients is a DTensor: one all-reduce makes it the whole model's
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total_loss
+
+
+def diverged(step, what):
+    """Stop a run whose numbers have blown up, before it can write them over the last good checkpoint."""
+    fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr, or clipping "
+         f"with a lower --grad-clip")
+
+
+# -- evaluation ---------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Mean loss and accuracy over every prediction the loader's samples hold."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct predictions, predictions
+    # Each forward gathers the weights from every rank: all ranks must run as many as the one with the most batches.
+    num_batches = torch.tensor(len(loader), device=device)
+    dist.all_reduce(num_batches, dist.ReduceOp.MAX)
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        outputs = model(inputs)
+        correct, predictions = count_correct(outputs, targets)
+        totals[0] += loss_fn(outputs, targets, reduction="sum")
+        totals[1] += correct
+        totals[2] += predictions
+    for _ in range(num_batches.item() - len(loader)):  # a rank with a batch fewer: its last again, uncounted
+        model(inputs)
+    dist.all_reduce(totals)  # each rank evaluated its own shard: add up the sums and counts
+    model.train()
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count
+
+
+# -- checkpointing ------------------------------------------------------------
+
+
+def save_checkpoint(path, model, optimizer, scheduler, step, config):
+    """Every rank writes its own shards, in parallel, into a new directory; then rank 0 points the link `path` at it
+    and removes the old one. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint whole
+    (DCP saving into the old directory would overwrite it in place)."""
+    directory, name = os.path.split(path)
+    new = f"{name}-{step:06d}"  # DIR/checkpoint -> checkpoint-000100, beside it
+    if dist.get_rank() == 0:
+        shutil.rmtree(os.path.join(directory, new), ignore_errors=True)  # left by a crash in the middle of this save
+    dist.barrier()
+    # The whole model's names, FQN-keyed optimizer state (a plain one numbers the parameters) and the rest as objects.
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
+             "scheduler": scheduler.state_dict(), "step": step, "config": config}
+    try:  # a file per rank, then .metadata: nothing is gathered
+        dcp.save(state, checkpoint_id=os.path.join(directory, new))
+    except (Exception, dcp.CheckpointException) as e:  # every rank gets every rank's errors, and stops
+        fail(f"cannot write checkpoint {os.path.join(directory, new)}: {str(e).strip().splitlines()[0]}")
+    if dist.get_rank() == 0:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + ".tmp")
+        os.symlink(new, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        for old in os.listdir(directory):
+            if old.startswith(name + "-") and old != new:
+                shutil.rmtree(os.path.join(directory, old), ignore_errors=True)  # the link has moved on: not fatal
+
+
+def read_checkpoint(path, state):
+    """Load the shards at `path` into the tensors and objects of `state`, in place; or, for state None, return the
+    whole state dict in the checkpoint.pt beside it. Any error ends the run with one line, on every rank."""
+    try:
+        if state is None:  # every rank maps the file, rather than reading it all, and keeps its shards
+            return torch.load(path + ".pt", map_location="cpu", weights_only=True, mmap=True)
+        dcp.load(state, checkpoint_id=path)  # each rank reads the parts of the files that its shards need
+        return state
+    except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's errors as one BaseException
+        e = next(iter(e.failures.values()))[0] if isinstance(e, dcp.CheckpointException) else e
+        fail(f"cannot read checkpoint {path + '.pt' if state is None else path}: "
+             f"{(str(e).strip() or type(e).__name__).splitlines()[0]}")
+
+
+def load_checkpoint(path, model, optimizer, scheduler, config, device):
+    """Restore the training state in place and return the step to continue from: from the shards at `path`, saved
+    by any number of processes (DCP reshards them), or from the checkpoint.pt of another script beside it."""
+    whole = os.path.exists(path + ".pt")
+    if whole and os.path.exists(path):  # this script resumed another's checkpoint.pt, or another script a conversion
+        whole = read_checkpoint(path, None)["step"] > read_checkpoint(path, {"step": 0})["step"]  # the later one
+    if whole:
+        log.info(f"reading {path}.pt, the checkpoint of another script")
+    # The configuration first: the shards of another model would not fit this one's.
+    state = read_checkpoint(path, None if whole else {"scheduler": scheduler.state_dict(), "step": 0,
+                                                     "config": dict.fromkeys(config)})
+    if not isinstance(state, dict) or state.get("config") != config:
+        found = state.get("config") if isinstance(state, dict) else None
+        fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
+    if whole:  # a plain optimizer numbers the parameters in the order of its groups; FSDP's state dicts name them
+        names = {param: name for name, param in model.named_parameters()}
+        names = [names[param] for group in optimizer.param_groups for param in group["params"]]
+        saved = state["optimizer"]
+        saved["state"] = {names[i] if isinstance(i, int) else i: value for i, value in saved["state"].items()}
+        for group in saved["param_groups"]:
+            group["params"] = [names[i] if isinstance(i, int) else i for i in group["params"]]
+    else:
+        state.update(read_checkpoint(path, {"model": get_model_state_dict(model),
+                                            "optimizer": get_optimizer_state_dict(model, optimizer)}))
+    options = StateDictOptions(full_state_dict=whole)  # whole tensors: each rank keeps its shard of each
+    set_model_state_dict(model, state["model"], options=options)
+    # The checkpoint says where training is; this run's flags say how it goes on. The saved groups hold
+    # the --lr and --weight-decay of the run that wrote them, and its device's kernel (fused=False on a CPU).
+    for saved, group in zip(state["optimizer"]["param_groups"], optimizer.param_groups):
+        saved.update({key: value for key, value in group.items() if key != "params"})
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+    scheduler.load_state_dict({**state["scheduler"], "base_lrs": scheduler.base_lrs})
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)  # this run's schedule where the saved one stood
+    return state["step"]
+
+
+# -- main ---------------------------------------------------------------------
+
+
+def main(args):
+    device = setup(args)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    is_main_process = rank == 0  # console, TensorBoard and checkpoints: rank 0 alone writes
+    logging.basicConfig(format="%(message)s", level=logging.INFO if is_main_process else logging.WARNING, stream=sys.stdout)
+    if args.batch_size % (world_size * args.grad_accum):  # checked here: the world size comes from the group
+        fail(f"--batch-size {args.batch_size} is not divisible by {world_size} processes x --grad-accum {args.grad_accum}")
+    train_set, val_set, data_info = build_datasets(args)
+    steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size
+    if steps_per_epoch == 0:
+        fail(f"--batch-size {args.batch_size} is more than the {len(train_set)} training samples")
+    if len(val_set) == 0:
+        fail("the validation set is empty: the data section must hold some samples out")
+    model, config = build_model(args, data_info)
+    model.to(device)
+    unsharded_bytes = sum(p.nbytes for p in model.parameters())
+    shard_model(model, args, device)  # before the optimizer is built: it must hold the shards, not the whole tensors
+    optimizer, scheduler = configure_optimizer(model, args, device)
+    per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # samples in one forward pass
+    num_val = len(val_set)
+    val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))  # the same for any world size
+    log.info(f"device {device} | {sum(p.numel() for p in model.parameters()):,} parameters | {len(train_set)} train "
+             f"samples | {len(val_set)} of {num_val} validation samples per evaluation")
+    log.info(f"global batch {args.batch_size} = {per_process_batch_size} per process x {args.grad_accum} "
+             f"accumulation steps x world size {world_size}")
+    # Gradients and AdamW's two moments take the parameters' shapes: 4 x what the weights take, whole or sharded.
+    held = local_bytes(model.parameters())
+    log.info(f"{args.precision} | memory per process (rank 0): weights {held / 2**20:.2f} MiB + gradients "
+             f"{held / 2**20:.2f} + AdamW state {2 * held / 2**20:.2f} = {4 * held / 2**20:.2f} MiB, against "
+             f"{4 * unsharded_bytes / 2**20:.2f} MiB for a whole replica (DDP's)")
+
+    step = 0
+    ckpt_path = args.ckpt_dir and os.path.join(args.ckpt_dir, "checkpoint")  # a link to a directory of shards
+    found = [None] * world_size  # loading the shards is a collective: all ranks or none must find a checkpoint
+    dist.all_gather_object(found, bool(ckpt_path) and (os.path.exists(ckpt_path) or os.path.exists(ckpt_path + ".pt")))
+    if len(set(found)) > 1:
+        fail("some ranks found a checkpoint and some did not: all must read one checkpoint, in a shared --ckpt-dir")
+    if found[0]:
+        step = load_checkpoint(ckpt_path, model, optimizer, scheduler, config, device)
+        log.info(f"resumed from {ckpt_path} at step {step}")
+    steps = [None] * world_size
+    dist.all_gather_object(steps, step)  # ranks that resumed from different checkpoints, or none, would train apart
+    if len(set(steps)) > 1:
+        fail(f"ranks resumed at different steps {sorted(set(steps))}: all must read one checkpoint, in a shared --ckpt-dir")
+    if step >= args.max_steps:
+        log.info(f"{ckpt_path} is at step {step}: the run is finished (--max-steps {args.max_steps})")
+        return
+
+    sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
+    pin_memory = device.type == "cuda"  # page-locked host memory lets the copy to the GPU run async
+    train_loader = DataLoader(train_set, per_process_batch_size, sampler=sampler, pin_memory=pin_memory)
+    if len(val_set) < world_size:  # evaluate() needs a batch on every rank
+        fail(f"{len(val_set)} validation samples are fewer than the {world_size} processes: each needs one")
+    val_set = Subset(val_set, range(rank, len(val_set), world_size))  # no padding duplicates, unlike the sampler's
+    val_loader = DataLoader(val_set, per_process_batch_size, pin_memory=pin_memory)
+    unit, units_per_sample, flops_per_unit = throughput_unit(model, args)
+    peak = peak_flops(device)
+    profiler = contextlib.nullcontext()
+    if args.profile:  # the first steps compile, allocate and fill caches: trace three after them
+        if args.max_steps - step < 9:
+            fail(f"--profile traces steps {step + 7} to {step + 9}, but --max-steps {args.max_steps} stops before")
+        trace_path = os.path.join(args.log_dir, f"trace_rank{rank}.json")
+        profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1),
+                                          on_trace_ready=lambda prof: prof.export_chrome_trace(trace_path))
+        log.info(f"tracing steps {step + 7} to {step + 9} into {trace_path}, one file per process: open it at "
+                 f"https://ui.perfetto.dev or in chrome://tracing")
+    start_step, start_time = step, time.perf_counter()
+    last_step, last_time = step, start_time
+    micro_batches = None
+    # Rank 0 alone opens a TensorBoard writer; the other ranks enter an empty context, where writer is None.
+    with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
+        while True:
+            if step % args.eval_every == 0 or step == args.max_steps:
+                val_loss, val_accuracy = evaluate(model, val_loader, device)
+                log.info(f"step {step:>5} | val loss {val_loss:.4f} | val accuracy {val_accuracy:.4f}")
+                if is_main_process:
+                    writer.add_scalar("val/loss", val_loss, step)
+                    writer.add_scalar("val/accuracy", val_accuracy, step)
+            if step == args.max_steps:
+                break
+            if micro_batches is None or step % steps_per_epoch == 0:
+                sampler.set_epoch(step // steps_per_epoch)  # a new order each epoch, the same on every rank
+                # A resumed run skips what its epoch has already trained on: the data order stays the same.
+                micro_batches = itertools.islice(train_loader, step % steps_per_epoch * args.grad_accum, None)
+            loss = train_step(model, optimizer, scheduler, micro_batches, args, device)
+            step += 1
+            if args.profile:
+                profiler.step()
+
+            if step % args.log_every == 0 or step == args.max_steps:
+                dist.all_reduce(loss)  # the sum over ranks; a collective, so every rank calls it
+                loss /= world_size
+                train_loss = loss.item()  # waits for the device to finish: read before the clock
+                if not math.isfinite(train_loss):
+                    diverged(step, f"the loss is {train_loss}")
+                now = time.perf_counter()
+                units_per_sec = (step - last_step) * args.batch_size * units_per_sample / (now - last_time)
+                elapsed = datetime.timedelta(seconds=round(now - start_time))  # printed as h:mm:ss
+                left = datetime.timedelta(seconds=round((now - start_time) / (step - start_step) * (args.max_steps - step)))
+                flops = units_per_sec * flops_per_unit / world_size  # the model FLOP/s of each process
+                metrics = {"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0],
+                           f"train/{unit}_per_sec": units_per_sec, "train/tflops_per_process": flops / 1e12}
+                if peak:
+                    metrics["train/mfu"] = flops / peak
+                if device.type == "cuda":  # the most that this process's tensors have taken on its GPU so far
+                    metrics["train/peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                log.info(f"step {step:>5} | loss {train_loss:.4f} | lr {metrics['train/lr']:.2e} | "
+                         f"{units_per_sec:,.0f} {unit}/s, {flops / 1e12:.3g} TFLOP/s" +
+                         (f" ({flops / peak:.0%} MFU)" if peak else "") + f" | {elapsed} elapsed, {left} left" +
+                         (f" | {metrics['train/peak_memory_gib']:.2f} GiB peak" if device.type == "cuda" else ""))
+                if is_main_process:
+                    for name, value in metrics.items():
+                        writer.add_scalar(name, value, step)
+                last_step, last_time = step, now
+            if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
+                finite = torch.stack([p.to_local().isfinite().all() for p in model.parameters()]).all().int()
+                dist.all_reduce(finite, dist.ReduceOp.MIN)  # this rank's shards, then every rank's: all stop, or none
+                if not finite:
+                    diverged(step, "the weights are no longer finite")
+                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)  # every rank writes its shards
+                dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
+                log.info(f"step {step:>5} | saved {ckpt_path}")
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,261 @@
+"""fsdp.py: sharded weights, gradients and optimizer state (1/N per process, as measured), bf16, sharded
+checkpoints that resume on another number of processes, survive a crash mid-save and convert both ways to
+the checkpoint.pt of the other scripts."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import (LAUNCHER, PARAM_ATOL, STEPS, TINY, WARNING, injected, kill_a_worker, load, max_param_diff,
+                      run, scalars)
+
+HALF = STEPS // 2
+
+# Run in every rank by the optimizer's own step hook: the bytes this rank holds once the gradients and AdamW's
+# state exist, counted from the tensors themselves (a DTensor's local shard), and, for the bound, the rows of
+# every whole parameter.
+MEASURE_MEMORY = """
+import json, os, torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+def local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+def measure(optimizer, args, kwargs):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    held = {"weights": sum(local(p).nbytes for p in params), "gradients": sum(local(p.grad).nbytes for p in params),
+            "optimizer": sum(local(t).nbytes for t in state), "whole": sum(p.nbytes for p in params),
+            "rows": sum(p.nbytes // p.shape[0] for p in params), "params": len(params)}
+    with open(os.path.join(os.environ["MEASURE_DIR"], f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+        json.dump(held, f)
+
+register_optimizer_step_post_hook(measure)
+"""
+
+
+def mib(line, what):
+    return float(re.search(rf"{what} ([\d.]+)", line).group(1))
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_each_process_holds_a_shard_of_the_training_state(tmp_path, nproc):
+    """Weights, gradients and AdamW's state together: on N processes, each holds at most 1/N of a whole
+    replica's bytes, plus padding: FSDP2 gives each rank ceil(rows / N) rows of every parameter, so a rank
+    holds at most one row more per tensor. The shards add up to the whole; the startup log says the same."""
+    env = injected(tmp_path, MEASURE_MEMORY)
+    env["MEASURE_DIR"] = str(tmp_path)
+    result = run("fsdp.py", *TINY, "--max-steps", 2, "--log-dir", tmp_path / "tb", nproc=nproc, env=env)
+    assert result.returncode == 0, result.output
+    held = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(nproc)]
+    whole = held[0]["whole"]
+    for rank in held:
+        assert rank["gradients"] == rank["weights"]
+        # exp_avg and exp_avg_sq, sharded like the weights, and each parameter's step count: one fp32 scalar
+        assert rank["optimizer"] == 2 * rank["weights"] + 4 * rank["params"]
+        total = rank["weights"] + rank["gradients"] + rank["optimizer"]
+        assert total <= 4 * (whole / nproc + rank["rows"]) + 4 * rank["params"], rank
+    assert sum(rank["weights"] for rank in held) == whole  # no rank holds a row twice
+    if nproc == 2:
+        assert held[0]["weights"] < 0.55 * whole and held[1]["weights"] < 0.55 * whole, held
+
+    line = next(line for line in result.output.splitlines() if "memory per process" in line)
+    assert mib(line, "weights") == pytest.approx(held[0]["weights"] / 2**20, abs=0.005), line
+    assert mib(line, "against") == pytest.approx(4 * whole / 2**20, abs=0.005), line
+
+
+def test_bf16_trains_close_to_fp32(trained, tmp_path):
+    """bf16 computation (8 bits of mantissa) with fp32 gradients and optimizer: the loss follows fp32's to
+    within a few hundredths over 16 steps, and training works as well."""
+    result = run("fsdp.py", *TINY, "--max-steps", STEPS, "--precision", "bf16", "--log-dir", tmp_path / "tb")
+    assert result.returncode == 0, result.output
+    assert not WARNING.search(result.output), result.output
+    assert "bf16 | memory per process" in result.output
+    bf16, fp32 = scalars(tmp_path / "tb"), scalars(trained["fsdp.py"].log_dir)
+    assert bf16["train/loss"][2] - bf16["train/loss"][STEPS] > 0.4, bf16["train/loss"]
+    gaps = [abs(bf16["train/loss"][step] - fp32["train/loss"][step]) for step in fp32["train/loss"]]
+    print(f"bf16 against fp32: largest train-loss gap {max(gaps):.3g}")
+    assert 0 < max(gaps) < 0.1, gaps
+
+
+def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    first = run("fsdp.py", *TINY, "--max-steps", HALF, "--lr-decay-steps", STEPS, "--ckpt-dir", ckpt_dir,
+                "--log-dir", tmp_path / "tb1")
+    assert first.returncode == 0, first.output
+    assert (ckpt_dir / "checkpoint").resolve().name == f"checkpoint-{HALF:06d}"
+    second = run("fsdp.py", *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb2")
+    assert second.returncode == 0, second.output
+    assert f"resumed from {ckpt_dir / 'checkpoint'} at step {HALF}" in second.output
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["checkpoint", f"checkpoint-{STEPS:06d}"]  # the old one went
+
+    resumed, uninterrupted = load(ckpt_dir), load(trained["fsdp.py"].ckpt_dir)
+    for name, value in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][name], value), name
+    for name, state in uninterrupted["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(resumed["optimizer"]["state"][name][key], value), (name, key)
+    expected = scalars(trained["fsdp.py"].log_dir)["train/loss"]
+    assert scalars(tmp_path / "tb2")["train/loss"] == {step: loss for step, loss in expected.items() if step > HALF}
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_resume_on_another_number_of_processes(trained, tmp_path, before, after):
+    """DCP reshards: saved by `before` processes, resumed by `after`, the run ends where single_gpu.py does."""
+    ckpt_dir = tmp_path / "ckpt"
+    for nproc, steps in [(before, HALF), (after, STEPS)]:
+        result = run("fsdp.py", *TINY, "--max-steps", steps, "--lr-decay-steps", STEPS, "--ckpt-dir", ckpt_dir,
+                     "--log-dir", tmp_path / f"tb{nproc}", nproc=nproc)
+        assert result.returncode == 0, result.output
+    assert f"resumed from {ckpt_dir / 'checkpoint'} at step {HALF}" in result.output
+    assert len(list((ckpt_dir / "checkpoint").glob("*.distcp"))) == after  # a file per rank
+    difference = max_param_diff(load(ckpt_dir)["model"], load(trained["single_gpu.py"].ckpt_dir)["model"])
+    print(f"{before} then {after} processes: largest difference from single_gpu.py's weights {difference:.2g}")
+    assert difference <= PARAM_ATOL
+
+
+def test_checkpoints_convert_both_ways(trained, tmp_path):
+    """single_gpu.py's checkpoint.pt resumes in fsdp.py (whose optimizer names the parameters that a plain one
+    numbers: Adam's moments must arrive, or the weights would part from single_gpu.py's); then the README's
+    one command turns fsdp.py's shards into a checkpoint.pt that single_gpu.py finishes the run from. With
+    both in the directory, fsdp.py resumes the later."""
+    ckpt_dir = tmp_path / "ckpt"
+
+    def train(script, steps):
+        result = run(script, *TINY, "--max-steps", steps, "--lr-decay-steps", STEPS, "--ckpt-dir", ckpt_dir,
+                     "--log-dir", tmp_path / f"{script}-{steps}")
+        assert result.returncode == 0, result.output
+        return result.output
+
+    train("single_gpu.py", 4)
+    output = train("fsdp.py", 8)
+    assert f"reading {ckpt_dir / 'checkpoint'}.pt" in output and "at step 4" in output, output
+    output = train("fsdp.py", 12)  # checkpoint.pt (step 4) is still there: the shards are later
+    assert "reading" not in output and f"resumed from {ckpt_dir / 'checkpoint'} at step 8" in output, output
+    convert = subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
+                              ckpt_dir / "checkpoint", ckpt_dir / "checkpoint.pt"], capture_output=True, text=True)
+    assert convert.returncode == 0, convert.stderr
+    output = train("single_gpu.py", STEPS)
+    assert f"resumed from {ckpt_dir / 'checkpoint.pt'} at step 12" in output, output
+    output = train("fsdp.py", STEPS)  # now checkpoint.pt is the later: it is read, and the run is finished
+    assert f"reading {ckpt_dir / 'checkpoint'}.pt" in output and "the run is finished" in output, output
+
+    final = torch.load(ckpt_dir / "checkpoint.pt", weights_only=True)
+    assert final["step"] == STEPS
+    difference = max_param_diff(final["model"], load(trained["single_gpu.py"].ckpt_dir)["model"])
+    print(f"single_gpu.py -> fsdp.py -> single_gpu.py: largest difference from single_gpu.py's weights {difference:.2g}")
+    assert difference <= PARAM_ATOL
+
+
+def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(trained, tmp_path):
+    """Rank 0 dies after every rank wrote its shards of step 16 and before the metadata that completes them:
+    the link still names step 8's directory, which resumes, and the run ends where an uninterrupted one does."""
+    env = injected(tmp_path, "import os, signal\nfrom torch.distributed.checkpoint import FileSystemWriter\n"
+                             "finish = FileSystemWriter.finish\nsaves = []\n"
+                             "def torn_finish(self, *args, **kwargs):\n"
+                             "    saves.append(1)\n"
+                             "    if len(saves) == 2:\n"
+                             "        os.kill(os.getpid(), signal.SIGKILL)\n"
+                             "    return finish(self, *args, **kwargs)\n"
+                             "FileSystemWriter.finish = torn_finish\n")
+    ckpt_dir = tmp_path / "ckpt"
+    flags = [*TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb"]
+    crashed = run("fsdp.py", *flags, env=env)
+    assert crashed.returncode != 0, crashed.output
+    torn = ckpt_dir / f"checkpoint-{STEPS:06d}"
+    assert list(torn.glob("*.distcp")) and not (torn / ".metadata").exists(), "the crash did not come mid-save"
+    assert load(ckpt_dir)["step"] == HALF
+
+    resumed = run("fsdp.py", *flags)
+    assert resumed.returncode == 0, resumed.output
+    assert f"resumed from {ckpt_dir / 'checkpoint'} at step {HALF}" in resumed.output
+    assert max_param_diff(load(ckpt_dir)["model"], load(trained["fsdp.py"].ckpt_dir)["model"]) == 0
+
+
+def test_killed_worker_restarts_and_resumes_exactly(trained, tmp_path):
+    """Under launch_distributed.sh with restarts: SIGKILL rank 1 after the first checkpoint; the restarted
+    group resumes from the shards and ends with the uninterrupted run's weights."""
+    ckpt_dir = tmp_path / "ckpt"
+    flags = [*TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb"]
+    killed = kill_a_worker([str(LAUNCHER), "fsdp.py", *map(str, flags)], ckpt_dir / "checkpoint")
+    assert killed.run.returncode == 0, killed.run.output
+    assert "failed (exitcode: -9) local_rank: 1" in killed.run.output, killed.run.output
+    assert "resumed from" in killed.run.output, killed.run.output
+    assert max_param_diff(load(ckpt_dir)["model"], load(trained["fsdp.py"].ckpt_dir)["model"]) == 0
+
+
+def fails_cleanly(args, message):
+    result = run("fsdp.py", *TINY, *args, timeout=60)
+    assert result.returncode != 0, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("fsdp.py: error: ")]
+    assert any(message in line for line in errors), result.output
+    assert 'fsdp.py", line' not in result.output, result.output
+
+
+def test_shards_of_another_model_size_are_reported_and_kept(trained, tmp_path):
+    shutil.copytree(trained["fsdp.py"].ckpt_dir, tmp_path / "ckpt", symlinks=True)
+    before = load(tmp_path / "ckpt")["model"]
+    fails_cleanly(["--d-model", 64, "--ckpt-dir", tmp_path / "ckpt", "--log-dir", tmp_path / "tb", "--max-steps", 32],
+                  "'d_model': 32")
+    assert max_param_diff(load(tmp_path / "ckpt")["model"], before) == 0
+
+
+def test_corrupt_shard_is_reported_and_kept(trained, tmp_path):
+    shutil.copytree(trained["fsdp.py"].ckpt_dir, tmp_path / "ckpt", symlinks=True)
+    shard = next((tmp_path / "ckpt" / "checkpoint").glob("__1_*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    # The cause, from the rank that met it (DCP gathers every rank's errors into one exception): a short file.
+    fails_cleanly(["--ckpt-dir", tmp_path / "ckpt", "--log-dir", tmp_path / "tb", "--max-steps", 32],
+                  f"cannot read checkpoint {tmp_path / 'ckpt' / 'checkpoint'}: Ran out of input")
+    assert shard.stat().st_size == 1000
+
+
+# Every process appends the norm that clip_grad_norm_ returns, made whole (a collective, which every rank runs).
+RECORD_NORMS = """
+import os, sys, torch
+from torch.distributed.tensor import DTensor
+clip = torch.nn.utils.clip_grad_norm_
+
+def recording_clip(*args, **kwargs):
+    norm = clip(*args, **kwargs)
+    value = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    name = f"{os.path.basename(sys.argv[0])}-rank{os.environ.get('RANK', '0')}"
+    with open(os.path.join(os.environ["NORM_DIR"], name), "a") as f:
+        f.write(f"{value.item()!r}\\n")
+    return norm
+
+torch.nn.utils.clip_grad_norm_ = recording_clip
+"""
+
+
+def test_clipping_uses_the_whole_models_gradient_norm(tmp_path):
+    """The norm of the sharded gradients, on every rank, is the number single_gpu.py computes for the whole
+    model, and it is above --grad-clip at first: clipping acts, with the global norm."""
+    env = {**injected(tmp_path, RECORD_NORMS), "NORM_DIR": str(tmp_path)}
+    for script in "single_gpu.py", "fsdp.py":
+        result = run(script, *TINY, "--max-steps", 6, "--log-dir", tmp_path / script, env=env)
+        assert result.returncode == 0, result.output
+    norms = {path.name: [float(line) for line in path.read_text().split()] for path in tmp_path.glob("*-rank*")}
+    expected = norms["single_gpu.py-rank0"]
+    assert len(expected) == 6 and expected[0] > 1.0, expected
+    assert norms["fsdp.py-rank0"] == norms["fsdp.py-rank1"]
+    assert norms["fsdp.py-rank0"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_compiled_blocks_train_like_eager(trained, tmp_path):
+    """--compile compiles each block before it is sharded. Inductor's fused kernels add in another order:
+    within PARAM_ATOL of the eager run, as for DDP."""
+    ckpt_dir = tmp_path / "ckpt"
+    result = run("fsdp.py", *TINY, "--max-steps", STEPS, "--compile", "--ckpt-dir", ckpt_dir, "--log-dir",
+                 tmp_path / "tb", timeout=600)
+    assert result.returncode == 0, result.output
+    assert not WARNING.search(result.output), result.output
+    difference = max_param_diff(load(ckpt_dir)["model"], load(trained["fsdp.py"].ckpt_dir)["model"])
+    print(f"fsdp.py --compile: largest difference from the eager run's weights {difference:.2g}")
+    assert difference <= PARAM_ATOL
