@@ -10,7 +10,8 @@ import tempfile
 
 import pytest
 
-from conftest import DISTRIBUTED, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, TORCHRUN, command, injected, load, run, run_command
+from conftest import (DISTRIBUTED, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, TORCHRUN, command, injected, load, run,
+                      run_command)
 
 
 def fails_cleanly(script, args, message, timeout=30, flags=TINY):

@@ -253,9 +253,13 @@ def test_compiled_blocks_train_like_eager(trained, tmp_path):
     within PARAM_ATOL of the eager run, as for DDP."""
     ckpt_dir = tmp_path / "ckpt"
     result = run("fsdp.py", *TINY, "--max-steps", STEPS, "--compile", "--ckpt-dir", ckpt_dir, "--log-dir",
-                 tmp_path / "tb", timeout=600)
+                 tmp_path / "tb", env={"TORCH_LOGS": "recompiles"}, timeout=600)
     assert result.returncode == 0, result.output
     assert not WARNING.search(result.output), result.output
+    # Proof that the blocks were compiled: the first call, in the step-0 evaluation, runs without autograd, and
+    # training then compiles them again.
+    for rank in range(2):
+        assert re.search(rf"^\[rank{rank}\]:.*Recompiling function forward", result.output, re.MULTILINE), result.output
     difference = max_param_diff(load(ckpt_dir)["model"], load(trained["fsdp.py"].ckpt_dir)["model"])
     print(f"fsdp.py --compile: largest difference from the eager run's weights {difference:.2g}")
     assert difference <= PARAM_ATOL
