@@ -12,7 +12,6 @@ import argparse
 import atexit
 import contextlib
 import datetime
-import gc
 import itertools
 import logging
 import math
@@ -24,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before any group exists: imported later, it would keep the default one alive
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
@@ -266,10 +266,9 @@ def throughput_unit(model, args):
 
 
 def leave_process_group():
-    """Destroy the process group, then collect garbage: without the collect, gloo's threads can race Python's
-    teardown and abort the process (pytorch/pytorch#190489; measured in README, troubleshooting)."""
+    """Destroy the process group while Python is whole: that joins gloo's threads, one of which, left running into
+    Python's exit, can abort the process. Only if nothing else holds the group: see the imports (and README)."""
     dist.destroy_process_group()
-    gc.collect()
 
 
 def setup(args):
