@@ -222,10 +222,18 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
+    # forward() in three parts, the modules registered in the same order: the layers before the blocks, the
+    # blocks, the layers after them. A pipeline stage (pipeline.py) runs the parts it holds.
     def forward(self, tokens):
-        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        x = self.embed(tokens)
         for block in self.blocks.values():
             x = block(x)
+        return self.output(x)
+
+    def embed(self, tokens):
+        return self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+
+    def output(self, x):
         return self.head(self.norm(x))
 
     def flops_per_token(self):
