@@ -24,7 +24,7 @@ The mode comes from the environment:
                       = srun --ntasks-per-node=1 --cpus-per-task=<the job's> torchrun --rdzv-endpoint=<first host>:PORT
                         --rdzv-id=$SLURM_JOB_ID ... (one torchrun per node)
 single_gpu.py and dataparallel.py (one process) and ddp_spawn.py (starts its own) run with python;
-every other script (ddp_torchrun.py, ddp_amp.py, fsdp.py) with torchrun, in any mode.
+every other script (ddp_torchrun.py, ddp_amp.py, fsdp.py, pipeline.py) with torchrun, in any mode.
 
 options:
   --check      run a communication check across every rank (all_reduce, broadcast, bandwidth) with

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import ROOT, command, injected, scalars  # noqa: E402
 
 CONFIGS = ["single_gpu.py", "ddp_torchrun.py", "ddp_amp.py --precision bf16", "ddp_amp.py --precision fp16", "fsdp.py",
-           "fsdp.py --precision bf16"]
+           "fsdp.py --precision bf16", "pipeline.py --schedule gpipe", "pipeline.py --schedule 1f1b"]
 
 # Every process of the run reports its peak memory as it exits (after the script's own exit handlers: atexit
 # runs them last in, first out); the torchrun agent and other helpers run another program and stay silent.

@@ -1,7 +1,7 @@
 """Delete, one at a time, each line that a script exists to teach, run the tests that should notice, and
 print which deletions they catch. STYLE.md asks for this after any change to a script's strategy lines or
 to the tests: a line is guarded only if deleting it fails a test. Not a test itself (pytest does not
-collect it): it runs parts of the suite once per row below (48), about 25 minutes on two cores for the 39 rows
+collect it): it runs parts of the suite once per row below (55), about 25 minutes on two cores for the 39 rows
 there were before fsdp.py's; not timed since.
 
     python tests/check_deletions.py [SUBSTRING]   # only the deletions whose line contains SUBSTRING
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (file, the line's text, what replaces it (None: `pass`), the tests that should fail, or why none can).
 TRAINING, BAD_INPUT, SPEED = "tests/test_training.py", "tests/test_bad_input.py", "tests/test_speed.py"
-FSDP = "tests/test_fsdp.py"
+FSDP, PIPELINE = "tests/test_fsdp.py", "tests/test_pipeline.py"
 DELETIONS = [
     ("ddp_torchrun.py", "sampler.set_epoch(step // steps_per_epoch)", None, TRAINING),
     ("ddp_torchrun.py", "DistributedSampler(train_set, seed=args.seed, drop_last=True)",
@@ -99,6 +99,18 @@ DELETIONS = [
     ("fsdp.py", "if args.precision == \"bf16\" and torch.cuda.get_device_capability(device) < (8, 0):", "if False:",
      "tests/test_amp.py::test_bf16_on_a_gpu_without_it_names_another_precision"),
     ("fsdp.py", "block.compile()", None, f"{FSDP}::test_compiled_blocks_train_like_eager"),
+    ("pipeline.py", "dist.broadcast(loss, src=world_size - 1)", None,
+     f"{PIPELINE}::test_each_schedule_trains_like_single_gpu"),
+    ("pipeline.py", "dist.broadcast(totals, src=last)", None,
+     f"{PIPELINE}::test_validation_is_exact_with_a_short_last_batch"),
+    ("pipeline.py", "dist.all_reduce(norm)", None, f"{PIPELINE}::test_each_schedule_trains_like_single_gpu"),
+    ("pipeline.py", "total_loss += loss.detach() / args.grad_accum", "total_loss += loss.detach()",
+     f"{PIPELINE}::test_each_schedule_trains_like_single_gpu"),
+    ("pipeline.py", "inputs, targets = (torch.cat([t, t[:1].expand(missing, *t.shape[1:])]) for t in (inputs, targets))",
+     None, f"{PIPELINE}::test_validation_is_exact_with_a_short_last_batch"),
+    ("pipeline.py", "model.eval()  # BatchNorm", None, "tests/test_your_model.py::test_a_batch_norm_classifier_trains"),
+    ("pipeline.py", "edges[1:] = [edge.requires_grad_() for edge in edges[1:]]", None,
+     f"{PIPELINE}::test_each_schedule_trains_like_single_gpu"),
     # The copies: a line deleted from them changes their diff against single_gpu.py or ddp_torchrun.py, whose
     # sizes tests/test_structure.py knows exactly; their behaviour is tested on the scripts above.
     ("ddp_spawn.py", "dist.barrier()", None, "tests/test_structure.py"),

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py"]
-DISTRIBUTED = ["ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py"]
-TORCHRUN = ["ddp_torchrun.py", "ddp_amp.py", "fsdp.py"]  # started by torchrun: plain python is a world of one
-# The scripts that compute in fp32 (fsdp.py by default) and so reach single_gpu.py's numbers within PARAM_ATOL.
+SCRIPTS = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py"]
+DISTRIBUTED = ["ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py"]
+TORCHRUN = ["ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py"]  # started by torchrun: plain python is a world of one
+# The scripts that compute in fp32 (fsdp.py by default, pipeline.py always) and so reach single_gpu.py's numbers
+# within PARAM_ATOL.
 # ddp_amp.py computes in 16 bits: tests/test_amp.py holds it to fp32 within a bound that bf16's precision sets.
 FP32 = [script for script in SCRIPTS if script != "ddp_amp.py"]
 LAUNCHER = ROOT / "launch_distributed.sh"

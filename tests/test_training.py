@@ -67,7 +67,7 @@ def test_validation_is_exact_across_ranks(trained, script):
     assert got["val/accuracy"][0] == expected["val/accuracy"][0]
 
 
-@pytest.mark.parametrize("script", ["single_gpu.py", "ddp_torchrun.py"])
+@pytest.mark.parametrize("script", ["single_gpu.py", "ddp_torchrun.py", "pipeline.py"])
 def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, script, tmp_path):
     half = STEPS // 2
     ckpt_dir = tmp_path / "ckpt"
@@ -143,10 +143,12 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
     optimizer must still run the fused kernel that this run built it with (and a GPU's checkpoint on a
     CPU, the other way round). Fused AdamW runs on CPUs too, so both directions are checked here."""
     module = import_script(script)
-    sharded = script == "fsdp.py"  # its functions need a process group: a world of one, in this process
-    if sharded:
+    sharded = script == "fsdp.py"
+    if script in ("fsdp.py", "pipeline.py"):  # their functions need a process group: a world of one, in this process
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         request.addfinalizer(dist.destroy_process_group)
+    # pipeline.py's functions also take the order of the whole model's parameters: in a world of one, this stage's.
+    order = (lambda model, optimizer: [module.stage_names(model, optimizer)]) if script == "pipeline.py" else lambda *_: []
     flags = argparse.Namespace(seq_len=4, d_model=8, n_layers=1, n_heads=2)
     tokens = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(0))
 
@@ -167,10 +169,11 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
     *saved, config = build(fused=saved_fused)
     train_one_step(*saved)
     path = str(tmp_path / checkpoint_name(script))
-    module.save_checkpoint(path, *saved, 1, config)
+    module.save_checkpoint(path, *saved, 1, config, *order(*saved[:2]))
 
     model, optimizer, scheduler, config = build(fused=not saved_fused)
-    assert module.load_checkpoint(path, model, optimizer, scheduler, config, torch.device("cpu")) == 1
+    cpu = torch.device("cpu")
+    assert module.load_checkpoint(path, model, optimizer, scheduler, config, cpu, *order(model, optimizer)) == 1
     assert [group["fused"] for group in optimizer.param_groups] == [not saved_fused]
     for param, saved_param in zip(model.parameters(), saved[0].parameters()):  # Adam's moments arrived
         for key in "exp_avg", "exp_avg_sq":

@@ -1,0 +1,649 @@
+"""Train a small GPT with pipeline parallelism: its blocks split into stages, one per process, started by torchrun.
+
+    torchrun --standalone --nproc_per_node=2 pipeline.py      # two stages; plain `python` runs one stage
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=JOB pipeline.py
+    tensorboard --logdir runs            # loss, accuracy, learning rate and throughput
+
+--data FILE trains a byte-level model of any text file, --ckpt-dir DIR checkpoints (run again to
+resume), --d-model, --n-layers, --n-heads and --seq-len scale the model; --help lists every flag.
+"""
+
+import argparse
+import atexit
+import contextlib
+import datetime
+import itertools
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before any group exists: imported later, it would keep the default one alive
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset
+from torch.utils.tensorboard import SummaryWriter
+
+log = logging.getLogger(__name__)
+
+
+# -- configuration ------------------------------------------------------------
+
+
+def fail(message):
+    """Exit with a one-line error and no traceback: bad input is for the user to fix."""
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=32, help="global batch: samples per optimizer step")
+    parser.add_argument("--grad-accum", type=int, default=8,
+                        help="micro-batches per optimizer step: what flows through the pipeline")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
+                        help="the order of the micro-batches' forward and backward passes on each stage")
+    parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps to train for")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=30, help="steps of linear learning-rate warmup")
+    parser.add_argument("--lr-decay-steps", type=int, help="cosine decay ends here (default: --max-steps)")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm; 0 turns clipping off")
+    parser.add_argument("--log-every", type=int, default=10, help="steps between console and TensorBoard logs")
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
+    parser.add_argument("--eval-batches", type=int, default=20,
+                        help="validation batches of --batch-size samples per pass, the first of the split")
+    parser.add_argument("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]),
+                        help="TensorBoard directory")
+    parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint.pt here and resume from it (default: off)")
+    parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model: slower start, faster steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace steps 7 to 9 of this run with torch.profiler: a Chrome trace per process in --log-dir")
+    own_flags = vars(parser.parse_known_args([])[0])  # checked below; the data and model sections check theirs
+    # The data and model sections define their own flags: replace a section, and its flags go with it.
+    add_data_args(parser.add_argument_group("data (the data section's flags)"))
+    add_model_args(parser.add_argument_group("model (the model section's flags)"))
+    args = parser.parse_args()
+    zero_or_more = ["warmup_steps", "weight_decay", "grad_clip"]  # 0 turns each off; every other number must be positive
+    for name, value in vars(args).items():  # the seed may be any integer: the rest would fail later, or train nothing
+        if name not in own_flags or type(value) not in (int, float) or name == "seed":
+            continue
+        if not math.isfinite(value) or value < 0 or (value == 0 and name not in zero_or_more):
+            fail(f"--{name.replace('_', '-')} must be {'zero or more' if name in zero_or_more else 'positive'}, got {value}")
+    if args.batch_size % args.grad_accum:
+        fail(f"--batch-size {args.batch_size} is not divisible by --grad-accum {args.grad_accum}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda, but no CUDA device is available")
+    for flag, path in [("--log-dir", args.log_dir), ("--ckpt-dir", args.ckpt_dir)]:
+        if path:  # checked now, not at the first checkpoint: the training until then would be lost
+            try:
+                os.makedirs(path, exist_ok=True)
+                tempfile.TemporaryFile(dir=path).close()
+            except OSError as e:
+                fail(f"{flag} {path} is not a directory this process can write to: {e.strerror}")
+    args.lr_decay_steps = args.lr_decay_steps or args.max_steps
+    return args
+
+
+# -- data ---------------------------------------------------------------------
+
+
+def add_data_args(parser):
+    parser.add_argument("--data", help="train a byte-level model on this text file (default: built-in data)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per training sequence")
+
+
+def markov_sequences(seq_len, num_tokens=2**18, vocab_size=64, seed=1234):
+    """Sequences from a fixed random Markov chain, num_tokens in all: learnable, and its entropy rate
+    is the lowest loss any model can reach, so the log can show how close training gets."""
+    num_seqs = num_tokens // seq_len
+    if num_seqs < 10:
+        fail(f"--seq-len {seq_len} cuts the built-in data's {num_tokens:,} tokens into fewer than 10 sequences: use --data")
+    gen = torch.Generator().manual_seed(seed)
+    transitions = torch.softmax(3 * torch.randn(vocab_size, vocab_size, generator=gen, dtype=torch.float64), 1)
+    stationary = torch.full((vocab_size,), 1 / vocab_size, dtype=torch.float64)
+    for _ in range(200):
+        stationary = stationary @ transitions
+    entropy_rate = -(stationary[:, None] * transitions * transitions.log()).sum().item()
+    log.info(f"built-in data: a random Markov chain over {vocab_size} tokens; its entropy rate, {entropy_rate:.4f}, "
+             f"is the lowest loss any model can reach")
+    tokens = torch.empty(num_seqs, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.multinomial(stationary, num_seqs, replacement=True, generator=gen)
+    for t in range(seq_len):
+        tokens[:, t + 1] = torch.multinomial(transitions[tokens[:, t]], 1, generator=gen)[:, 0]
+    return tokens, vocab_size
+
+
+def text_file_sequences(path, seq_len):
+    """Consecutive chunks of a file's bytes: a byte-level language model with a vocabulary of 256.
+    The file is memory-mapped, not read: its bytes stay in the page cache, one copy for every
+    process on the machine."""
+    if not os.path.isfile(path):
+        fail(f"--data {path}: no such file")
+    size = os.path.getsize(path)
+    num_seqs = (size - 1) // seq_len
+    if num_seqs < 10:
+        fail(f"--data {path} has {size} bytes; --seq-len {seq_len} needs at least {10 * seq_len + 1}")
+    tokens = torch.from_file(path, size=num_seqs * seq_len + 1, dtype=torch.uint8)  # copy-on-write: never changes the file
+    # Chunk i is tokens[i*seq_len : (i+1)*seq_len + 1]: neighbours share one token, the next target.
+    return tokens.as_strided((num_seqs, seq_len + 1), (seq_len, 1)), 256
+
+
+class TokenSequences(Dataset):
+    """Row i of a (sequences, seq_len + 1) tensor of tokens as an (input, target) pair, the target
+    shifted by one token. Rows become int64 only when fetched: a file's bytes stay bytes in memory."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return self.tokens[i, :-1].long(), self.tokens[i, 1:].long()
+
+
+def build_datasets(args):
+    """Train and validation sets of (input, target) pairs, the last tenth held out, and what the model
+    section needs to know of the data: here the vocabulary size."""
+    if args.seq_len <= 0:
+        fail(f"--seq-len must be positive, got {args.seq_len}")
+    if args.data:
+        tokens, vocab_size = text_file_sequences(args.data, args.seq_len)
+    else:
+        tokens, vocab_size = markov_sequences(args.seq_len)
+    dataset = TokenSequences(tokens)
+    num_train = len(dataset) - len(dataset) // 10
+    train_set, val_set = Subset(dataset, range(num_train)), Subset(dataset, range(num_train, len(dataset)))
+    return train_set, val_set, {"vocab_size": vocab_size}
+
+
+# -- model --------------------------------------------------------------------
+
+
+def add_model_args(parser):
+    parser.add_argument("--d-model", type=int, default=64, help="width of the model")
+    parser.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--n-heads", type=int, default=4, help="attention heads; must divide --d-model")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP, each added to the residual."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.attn_norm = nn.LayerNorm(config.d_model)
+        # No bias: a key bias shifts a query's scores all alike, which softmax ignores, so its gradient
+        # is rounding noise that Adam would amplify into steps of full size.
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.attn_out = nn.Linear(config.d_model, config.d_model)
+        self.mlp_norm = nn.LayerNorm(config.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(), nn.Linear(4 * config.d_model, config.d_model)
+        )
+
+    def forward(self, x):
+        batch, seq_len, d_model = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(d_model, dim=-1)
+        q, k, v = (t.view(batch, seq_len, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_out(attn.transpose(1, 2).reshape(batch, seq_len, d_model))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        # Blocks by name ("0", "1", ...): FSDP shards them one at a time, a pipeline stage keeps some.
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.norm = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    # forward() in three parts, the modules registered in the same order: the layers before the blocks, the
+    # blocks, the layers after them. A pipeline stage (pipeline.py) runs the parts it holds.
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.output(x)
+
+    def embed(self, tokens):
+        return self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+
+    def output(self, x):
+        return self.head(self.norm(x))
+
+    def flops_per_token(self):
+        """Training FLOPs per token as the PaLM paper (appendix B) and nanoGPT count them: 6 per parameter, for
+        the forward and backward matmuls (embeddings excepted: lookups), plus attention's 12 x layers x d_model x seq_len."""
+        matmul_params = sum(p.numel() for p in self.parameters()) - self.tok_emb.weight.numel() - self.pos_emb.weight.numel()
+        return 6 * matmul_params + 12 * self.config.n_layers * self.config.d_model * self.config.seq_len
+
+
+def build_model(args, data_info):
+    """The model to train, and its configuration: a dict that checkpoints keep and a resumed run must match."""
+    for name in "d_model", "n_layers", "n_heads":
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.d_model % args.n_heads:
+        fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
+    config = ModelConfig(data_info["vocab_size"], args.seq_len, args.d_model, args.n_layers, args.n_heads)
+    log.info(f"a uniform guess over {config.vocab_size} tokens scores a loss of {math.log(config.vocab_size):.4f}")
+    return GPT(config), asdict(config)
+
+
+def loss_fn(logits, targets, reduction="mean"):
+    """Cross-entropy of each next-token prediction: logits (batch, seq_len, vocab), targets (batch, seq_len)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+
+
+def count_correct(logits, targets):
+    """Correct next-token predictions, and predictions made (the terms loss_fn adds up)."""
+    return (logits.argmax(-1) == targets).sum(), targets.numel()
+
+
+def throughput_unit(model, args):
+    """What the step line counts per second: tokens, --seq-len of them per sample, each worth flops_per_token."""
+    return "tokens", args.seq_len, model.flops_per_token()
+
+
+# -- setup --------------------------------------------------------------------
+
+
+def leave_process_group():
+    """Destroy the process group while Python is whole: that joins gloo's threads, one of which, left running into
+    Python's exit, can abort the process. Only if nothing else holds the group: see the imports (and README)."""
+    dist.destroy_process_group()
+
+
+def setup(args):
+    """Prepare this process to train: pick its device and seed the model's initialisation."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)  # before init_process_group, so NCCL uses this process's GPU alone
+    # torchrun sets these. Plain `python` makes a world of one, whose store may take any free port ("0"): no other
+    # process has to find it.
+    for name, default in [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "0")]:
+        os.environ.setdefault(name, default)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    atexit.register(leave_process_group)  # on every exit path, errors included
+    # fp32 matmuls on TF32 tensor cores, on GPUs from Ampere on: 495 instead of 67 TFLOP/s on an H100 (its datasheet),
+    # for a 10-bit mantissa that training does not notice (nanoGPT does the same). Nothing changes on a CPU.
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    return device
+
+
+def peak_flops(device):
+    """The dense bf16 peak FLOP/s of a GPU in NVIDIA's datasheets, to measure MFU against; None for any other."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peaks = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H200": 989e12}  # H100 and H200 SXM
+    return 312e12 if name.startswith("NVIDIA A100") else peaks.get(name)
+
+
+def split_model(model, stage, num_stages, inputs):
+    """Keep this stage's part of the model and drop the rest: a run of consecutive blocks, as even as their
+    number allows, and the modules registered before the blocks on the first stage, after them on the last.
+    Returns what each stage holds, by module name, and what this stage takes in and gives out for `inputs`, a
+    micro-batch."""
+    if not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
+        fail("pipeline.py splits the model's blocks: they must be in a ModuleDict named blocks (see README)")
+    blocks = list(model.blocks)
+    if num_stages > len(blocks):
+        fail(f"{num_stages} processes make {num_stages} pipeline stages, but the model has {len(blocks)} blocks: "
+             f"run at most {len(blocks)} processes")
+    runs = [blocks[s * len(blocks) // num_stages:(s + 1) * len(blocks) // num_stages] for s in range(num_stages)]
+    # The whole model's forward, cut where the stages meet. Without these examples, PipelineStage finds the shapes by
+    # running each stage at the first step, in training mode, on uninitialised inputs: BatchNorm would count them.
+    model.eval()  # BatchNorm and dropout as in evaluation: this pass is not training
+    with torch.no_grad():
+        x, edges = model.embed(inputs), [inputs]
+        for s, run in enumerate(runs):
+            for name in run:
+                x = model.blocks[name](x)
+            edges.append(model.output(x) if s == num_stages - 1 else x)
+    model.train()
+    edges[1:] = [edge.requires_grad_() for edge in edges[1:]]  # in training, gradients flow back through these
+    children = [name for name, _ in model.named_children()]
+    before, after = children[:children.index("blocks")], children[children.index("blocks") + 1:]
+    parts = [[f"blocks.{name}" for name in run] for run in runs]
+    parts[0] = before + parts[0]
+    parts[-1] = parts[-1] + after  # the same list as parts[0] in a world of one
+    for name in [name for s, part in enumerate(parts) if s != stage for name in part]:
+        parent, child = name.split(".") if name.startswith("blocks.") else ("", name)
+        # Deleted from a ModuleDict, a block leaves the others' names as they were ("blocks.2" stays "blocks.2"): the
+        # stages' state dicts hold the whole model's keys between them, and checkpoints match single_gpu.py's.
+        delattr(model.get_submodule(parent), child)
+    return parts, edges[stage], edges[stage + 1]
+
+
+class Stage(nn.Module):
+    """What one stage runs of the model's forward(): embed() on the first stage, its blocks, output() on the last."""
+
+    def __init__(self, model, is_first, is_last):
+        super().__init__()
+        self.model, self.is_first, self.is_last = model, is_first, is_last
+
+    def forward(self, x):
+        x = self.model.embed(x) if self.is_first else x
+        for block in self.model.blocks.values():
+            x = block(x)
+        return self.model.output(x) if self.is_last else x
+
+
+# -- training step ------------------------------------------------------------
+
+
+def configure_optimizer(model, args, device):
+    """AdamW with decay on matrices only, and a schedule of linear warmup then cosine decay to lr/10."""
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # biases and norms
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+    def lr_factor(step):
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.lr_decay_steps - args.warmup_steps))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+def train_step(schedule, model, optimizer, scheduler, batches, args, device):
+    """One optimizer step: the schedule cuts the batch into --grad-accum micro-batches and runs them through the
+    stages. Returns the mean loss as a tensor, on the last stage (zero on the others): reading it with .item()
+    would wait for the GPU, so only logging steps do."""
+    total_loss = torch.zeros((), device=device)
+    inputs, targets = next(batches)
+    inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    losses = []  # filled on the last stage: loss_fn of each micro-batch, whose backward() the schedule runs
+    # The first stage takes the inputs, the last the targets; a stage between takes only what its neighbours send.
+    # The schedule then divides the gradients by the micro-batches' number, as / args.grad_accum does in single_gpu.py.
+    schedule.step(*[inputs] if rank == 0 else [], target=targets if rank == last else None, losses=losses,
+                  return_outputs=False)
+    for loss in losses:
+        total_loss += loss.detach() / args.grad_accum
+    if args.grad_clip:  # each stage holds some of the gradients: the whole model's norm adds their squares up
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]) ** 2
+        dist.all_reduce(norm)
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip, norm.sqrt())
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total_loss
+
+
+def diverged(step, what):
+    """Stop a run whose numbers have blown up, before it can write them over the last good checkpoint."""
+    fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr, or clipping "
+         f"with a lower --grad-clip")
+
+
+# -- evaluation ---------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(schedule, model, loader, device):
+    """Mean loss and accuracy over every prediction the loader's samples hold: forward passes through the pipeline,
+    added up on the last stage, which sends the sums to every stage."""
+    model.eval()
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct predictions, predictions
+    for inputs, targets in loader:
+        # Every pass through the stages has the training's shapes: a short last batch is filled up with copies of
+        # its first sample, whose outputs are not counted.
+        num_samples, missing = len(inputs), loader.batch_size - len(inputs)
+        inputs, targets = (torch.cat([t, t[:1].expand(missing, *t.shape[1:])]) for t in (inputs, targets))
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        outputs = schedule.eval(*[inputs] if rank == 0 else [], target=targets if rank == last else None)
+        if rank == last:
+            outputs, targets = outputs[:num_samples], targets[:num_samples]
+            correct, predictions = count_correct(outputs, targets)
+            totals[0] += loss_fn(outputs, targets, reduction="sum")
+            totals[1] += correct
+            totals[2] += predictions
+    model.train()
+    dist.broadcast(totals, src=last)
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count
+
+
+# -- checkpointing ------------------------------------------------------------
+
+
+def stage_names(model, optimizer):
+    """This stage's parameter names, group by group, in the order its optimizer numbers them."""
+    names = {param: name for name, param in model.named_parameters()}
+    return [[names[param] for param in group["params"]] for group in optimizer.param_groups]
+
+
+def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
+    """Gather every stage's part on rank 0, which writes the whole model's checkpoint, as single_gpu.py's: to a
+    temporary file, then renamed over the old one, so that a crash mid-write leaves the previous checkpoint intact.
+    `order` names the whole model's parameters group by group, as single_gpu.py's optimizer numbers them."""
+    optimizer_state = optimizer.state_dict()
+    names = list(itertools.chain(*stage_names(model, optimizer)))
+    # On the CPU: rank 0 unpickles what it gathers, and could not place another host's GPU tensors.
+    cpu = lambda state: {key: value.cpu() if torch.is_tensor(value) else value for key, value in state.items()}  # noqa: E731
+    part = {"model": cpu(model.state_dict()),  # each stage's optimizer numbers its own parameters from 0: name them
+            "optimizer": {names[number]: cpu(state) for number, state in optimizer_state["state"].items()}}
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(part, parts)
+    if dist.get_rank() != 0:
+        return
+    numbers = {name: number for number, name in enumerate(itertools.chain(*order))}
+    groups = [{**group, "params": [numbers[name] for name in names]}
+              for group, names in zip(optimizer_state["param_groups"], order)]
+    state = {"model": {key: value for part in parts for key, value in part["model"].items()},
+             "optimizer": {"state": {numbers[name]: value for part in parts for name, value in part["optimizer"].items()},
+                           "param_groups": groups},
+             "scheduler": scheduler.state_dict(), "step": step, "config": config}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
+    """Restore the training state in place and return the step to continue from."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        fail(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}")
+    if not isinstance(state, dict) or state.get("config") != config:
+        found = state.get("config") if isinstance(state, dict) else None
+        fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
+    model.load_state_dict({key: value for key, value in state["model"].items() if key in model.state_dict()})
+    # The checkpoint numbers the whole model's parameters as single_gpu.py does: this stage takes its own, numbered
+    # as its optimizer numbers them.
+    numbers = {name: number for number, name in enumerate(itertools.chain(*order))}
+    names, saved, count = stage_names(model, optimizer), state["optimizer"], itertools.count()
+    mine = [numbers[name] for name in itertools.chain(*names)]  # whole-model numbers, in this stage's order
+    state["optimizer"] = {"state": {local: saved["state"][number] for local, number in enumerate(mine)
+                                    if number in saved["state"]},
+                          "param_groups": [{**group, "params": [next(count) for _ in group_names]}
+                                           for group, group_names in zip(saved["param_groups"], names)]}
+    # The checkpoint says where training is; this run's flags say how it goes on. The saved groups hold
+    # the --lr and --weight-decay of the run that wrote them, and its device's kernel (fused=False on a CPU).
+    for saved, group in zip(state["optimizer"]["param_groups"], optimizer.param_groups):
+        saved.update({key: value for key, value in group.items() if key != "params"})
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict({**state["scheduler"], "base_lrs": scheduler.base_lrs})
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)  # this run's schedule where the saved one stood
+    return state["step"]
+
+
+# -- main ---------------------------------------------------------------------
+
+
+def main(args):
+    device = setup(args)
+    rank, world_size = dist.get_rank(), dist.get_world_size()  # this process's stage, and the number of stages
+    is_main_process = rank == 0  # console, TensorBoard and checkpoints: rank 0 alone writes
+    logging.basicConfig(format="%(message)s", level=logging.INFO if is_main_process else logging.WARNING, stream=sys.stdout)
+    if args.schedule == "1f1b" and args.grad_accum < world_size:  # checked here: the world size comes from the group
+        fail(f"--schedule 1f1b needs at least as many micro-batches as stages: --grad-accum {args.grad_accum} is fewer "
+             f"than {world_size} processes")
+    train_set, val_set, data_info = build_datasets(args)
+    steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size
+    if steps_per_epoch == 0:
+        fail(f"--batch-size {args.batch_size} is more than the {len(train_set)} training samples")
+    if len(val_set) == 0:
+        fail("the validation set is empty: the data section must hold some samples out")
+    model, config = build_model(args, data_info)
+    unit, units_per_sample, flops_per_unit = throughput_unit(model, args)  # the whole model's, before the split
+    num_params = sum(p.numel() for p in model.parameters())
+    micro_batch = next(iter(DataLoader(train_set, args.batch_size // args.grad_accum)))[0]  # its inputs, for the shapes
+    parts, stage_inputs, stage_outputs = split_model(model, rank, world_size, micro_batch)
+    model.to(device)
+    stage_module = Stage(model, is_first=rank == 0, is_last=rank == world_size - 1)
+    if args.compile:  # in place: the state dict keeps its keys, and checkpoints stay interchangeable with eager runs
+        stage_module.compile()
+    optimizer, scheduler = configure_optimizer(model, args, device)
+    every_stage_names = [None] * world_size
+    dist.all_gather_object(every_stage_names, stage_names(model, optimizer))
+    # single_gpu.py's optimizer numbers the parameters group by group; within a group, here, stage after stage.
+    order = [[name for names in every_stage_names for name in names[group]] for group in range(len(optimizer.param_groups))]
+    num_val = len(val_set)
+    val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))  # the same for any world size
+    log.info(f"device {device} | {num_params:,} parameters | {len(train_set)} train "
+             f"samples | {len(val_set)} of {num_val} validation samples per evaluation")
+    log.info(f"global batch {args.batch_size} = {args.grad_accum} micro-batches of {args.batch_size // args.grad_accum} | "
+             f"{world_size} stages, one per process | schedule {args.schedule}")
+    for stage, part in enumerate(parts):
+        log.info(f"stage {stage} (rank {stage}): {', '.join(part)}")
+    idle, slots = world_size - 1, args.grad_accum + world_size - 1
+    log.info(f"each stage idles (stages - 1) / (micro-batches + stages - 1) = {idle}/{slots} = {idle / slots:.0%} of a step "
+             f"(the bubble): more micro-batches shrink it")
+
+    step = 0
+    ckpt_path = args.ckpt_dir and os.path.join(args.ckpt_dir, "checkpoint.pt")
+    if ckpt_path and os.path.exists(ckpt_path):
+        step = load_checkpoint(ckpt_path, model, optimizer, scheduler, config, device, order)
+        log.info(f"resumed from {ckpt_path} at step {step}")
+    steps = [None] * world_size
+    dist.all_gather_object(steps, step)  # ranks that resumed from different checkpoints, or none, would train apart
+    if len(set(steps)) > 1:
+        fail(f"ranks resumed at different steps {sorted(set(steps))}: all must read one checkpoint, in a shared --ckpt-dir")
+    if step >= args.max_steps:
+        log.info(f"{ckpt_path} is at step {step}: the run is finished (--max-steps {args.max_steps})")
+        return
+
+    sampler = RandomSampler(train_set, generator=torch.Generator())
+    pin_memory = device.type == "cuda"  # page-locked host memory lets the copy to the GPU run async
+    # Whole batches, in the same order on every stage (the same seed): the first stage uses the inputs, the last the targets.
+    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, pin_memory=pin_memory)
+    val_loader = DataLoader(val_set, args.batch_size, pin_memory=pin_memory)
+    peak = peak_flops(device)
+    profiler = contextlib.nullcontext()
+    if args.profile:  # the first steps compile, allocate and fill caches: trace three after them
+        if args.max_steps - step < 9:
+            fail(f"--profile traces steps {step + 7} to {step + 9}, but --max-steps {args.max_steps} stops before")
+        trace_path = os.path.join(args.log_dir, f"trace_rank{rank}.json")
+        profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1),
+                                          on_trace_ready=lambda prof: prof.export_chrome_trace(trace_path))
+        log.info(f"tracing steps {step + 7} to {step + 9} into {trace_path}, one file per process: open it at "
+                 f"https://ui.perfetto.dev or in chrome://tracing")
+    start_step, start_time = step, time.perf_counter()
+    last_step, last_time = step, start_time
+    batches = None
+    # The line this script is about. The stage sends its outputs to the next stage and their gradients back to the one
+    # before, and the schedule orders the micro-batches' forward and backward passes: GPipe all forwards, then all
+    # backwards; 1F1B one backward after each forward once the pipeline is full, to hold fewer micro-batches'
+    # activations. Stage shapes are found at the first step, and must stay the same (see evaluate).
+    # torch 2.13 changed the order of the arguments after device: by keyword, the same line runs on earlier versions.
+    stage = PipelineStage(stage_module, rank, world_size, device, input_args=stage_inputs.to(device),
+                          output_args=stage_outputs.to(device))
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+    schedule = schedule_class(stage, n_microbatches=args.grad_accum, loss_fn=loss_fn)
+    # Rank 0 alone opens a TensorBoard writer; the other ranks enter an empty context, where writer is None.
+    with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
+        while True:
+            if step % args.eval_every == 0 or step == args.max_steps:
+                val_loss, val_accuracy = evaluate(schedule, model, val_loader, device)
+                log.info(f"step {step:>5} | val loss {val_loss:.4f} | val accuracy {val_accuracy:.4f}")
+                if is_main_process:
+                    writer.add_scalar("val/loss", val_loss, step)
+                    writer.add_scalar("val/accuracy", val_accuracy, step)
+            if step == args.max_steps:
+                break
+            if batches is None or step % steps_per_epoch == 0:
+                sampler.generator.manual_seed(args.seed + step // steps_per_epoch)  # a new order each epoch
+                # A resumed run skips what its epoch has already trained on: the data order stays the same.
+                batches = itertools.islice(train_loader, step % steps_per_epoch, None)
+            loss = train_step(schedule, model, optimizer, scheduler, batches, args, device)
+            step += 1
+            if args.profile:
+                profiler.step()
+
+            if step % args.log_every == 0 or step == args.max_steps:
+                dist.broadcast(loss, src=world_size - 1)  # the loss exists on the last stage; a collective, on every rank
+                train_loss = loss.item()  # waits for the device to finish: read before the clock
+                if not math.isfinite(train_loss):
+                    diverged(step, f"the loss is {train_loss}")
+                now = time.perf_counter()
+                units_per_sec = (step - last_step) * args.batch_size * units_per_sample / (now - last_time)
+                elapsed = datetime.timedelta(seconds=round(now - start_time))  # printed as h:mm:ss
+                left = datetime.timedelta(seconds=round((now - start_time) / (step - start_step) * (args.max_steps - step)))
+                flops = units_per_sec * flops_per_unit / world_size  # the model FLOP/s of each process
+                metrics = {"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0],
+                           f"train/{unit}_per_sec": units_per_sec, "train/tflops_per_process": flops / 1e12}
+                if peak:
+                    metrics["train/mfu"] = flops / peak
+                log.info(f"step {step:>5} | loss {train_loss:.4f} | lr {metrics['train/lr']:.2e} | "
+                         f"{units_per_sec:,.0f} {unit}/s, {flops / 1e12:.3g} TFLOP/s" +
+                         (f" ({flops / peak:.0%} MFU)" if peak else "") + f" | {elapsed} elapsed, {left} left")
+                if is_main_process:
+                    for name, value in metrics.items():
+                        writer.add_scalar(name, value, step)
+                last_step, last_time = step, now
+            if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
+                finite = torch.stack([p.isfinite().all() for p in model.parameters()]).all().int()
+                dist.all_reduce(finite, dist.ReduceOp.MIN)  # this stage's weights, then every stage's: all stop, or none
+                if not finite:
+                    diverged(step, "the weights are no longer finite")
+                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, order)  # a collective: every stage
+                dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
+                log.info(f"step {step:>5} | saved {ckpt_path}")
+
+
+if __name__ == "__main__":
+    main(parse_args())
