@@ -1,7 +1,8 @@
 """Train a small GPT with pipeline parallelism: its blocks split into stages, one per process, started by torchrun.
 
     torchrun --standalone --nproc_per_node=2 pipeline.py      # two stages; plain `python` runs one stage
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=JOB pipeline.py
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=JOB pipeline.py \
+        --n-layers 16 --grad-accum 16     # 16 stages: a block and a micro-batch for each at least
     tensorboard --logdir runs            # loss, accuracy, learning rate and throughput
 
 --data FILE trains a byte-level model of any text file, --ckpt-dir DIR checkpoints (run again to
@@ -323,7 +324,14 @@ def split_model(model, stage, num_stages, inputs):
     if num_stages > len(blocks):
         fail(f"{num_stages} processes make {num_stages} pipeline stages, but the model has {len(blocks)} blocks: "
              f"run at most {len(blocks)} processes")
-    runs = [blocks[s * len(blocks) // num_stages:(s + 1) * len(blocks) // num_stages] for s in range(num_stages)]
+    if any(True for _ in model.named_parameters(recurse=False)):
+        fail("pipeline.py splits the model by its modules: a parameter of the model itself would belong to no stage")
+    if len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters())):
+        fail("pipeline.py cannot split a model whose modules share a parameter (tied weights): see README")
+    # Stage s holds blocks ceil(s * n / S) up to ceil((s + 1) * n / S): any left over go to the first stages, not to
+    # the last, which also holds the layers after the blocks.
+    edges = [math.ceil(s * len(blocks) / num_stages) for s in range(num_stages + 1)]
+    runs = [blocks[start:end] for start, end in zip(edges, edges[1:])]
     # The whole model's forward, cut where the stages meet. Without these examples, PipelineStage finds the shapes by
     # running each stage at the first step, in training mode, on uninitialised inputs: BatchNorm would count them.
     model.eval()  # BatchNorm and dropout as in evaluation: this pass is not training
@@ -452,18 +460,21 @@ def stage_names(model, optimizer):
     return [[names[param] for param in group["params"]] for group in optimizer.param_groups]
 
 
-def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
+def save_checkpoint(path, model, optimizer, scheduler, step, config, order, group):
     """Gather every stage's part on rank 0, which writes the whole model's checkpoint, as single_gpu.py's: to a
     temporary file, then renamed over the old one, so that a crash mid-write leaves the previous checkpoint intact.
-    `order` names the whole model's parameters group by group, as single_gpu.py's optimizer numbers them."""
+    `order` names the whole model's parameters group by group, as single_gpu.py's optimizer numbers them; `group`
+    is the process group to gather over."""
     optimizer_state = optimizer.state_dict()
     names = list(itertools.chain(*stage_names(model, optimizer)))
-    # On the CPU: rank 0 unpickles what it gathers, and could not place another host's GPU tensors.
-    cpu = lambda state: {key: value.cpu() if torch.is_tensor(value) else value for key, value in state.items()}  # noqa: E731
+
+    def cpu(state):  # rank 0 unpickles what it gathers, and could not place another host's GPU tensors
+        return {key: value.cpu() if torch.is_tensor(value) else value for key, value in state.items()}
+
     part = {"model": cpu(model.state_dict()),  # each stage's optimizer numbers its own parameters from 0: name them
             "optimizer": {names[number]: cpu(state) for number, state in optimizer_state["state"].items()}}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(part, parts)
+    dist.gather_object(part, parts, group=group)
     if dist.get_rank() != 0:
         return
     numbers = {name: number for number, name in enumerate(itertools.chain(*order))}
@@ -484,22 +495,23 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
 def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
     """Restore the training state in place and return the step to continue from."""
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # the whole model: not onto one GPU
     except Exception as e:
         fail(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}")
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
         fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
-    model.load_state_dict({key: value for key, value in state["model"].items() if key in model.state_dict()})
-    # The checkpoint numbers the whole model's parameters as single_gpu.py does: this stage takes its own, numbered
-    # as its optimizer numbers them.
-    numbers = {name: number for number, name in enumerate(itertools.chain(*order))}
-    names, saved, count = stage_names(model, optimizer), state["optimizer"], itertools.count()
-    mine = [numbers[name] for name in itertools.chain(*names)]  # whole-model numbers, in this stage's order
-    state["optimizer"] = {"state": {local: saved["state"][number] for local, number in enumerate(mine)
-                                    if number in saved["state"]},
+    own = model.state_dict().keys()
+    model.load_state_dict({key: value for key, value in state["model"].items() if key in own})
+    # The checkpoint keys the whole model's optimizer state by number (or, converted from fsdp.py, by name), in the
+    # order of its groups: matched by position, as optimizer.load_state_dict matches, this stage takes its own.
+    whole = state["optimizer"]
+    keys = dict(zip(itertools.chain(*order), itertools.chain(*(group["params"] for group in whole["param_groups"]))))
+    names, count = stage_names(model, optimizer), itertools.count()
+    state["optimizer"] = {"state": {local: whole["state"][keys[name]] for local, name in enumerate(itertools.chain(*names))
+                                    if keys[name] in whole["state"]},
                           "param_groups": [{**group, "params": [next(count) for _ in group_names]}
-                                           for group, group_names in zip(saved["param_groups"], names)]}
+                                           for group, group_names in zip(whole["param_groups"], names)]}
     # The checkpoint says where training is; this run's flags say how it goes on. The saved groups hold
     # the --lr and --weight-decay of the run that wrote them, and its device's kernel (fused=False on a CPU).
     for saved, group in zip(state["optimizer"]["param_groups"], optimizer.param_groups):
@@ -542,6 +554,8 @@ def main(args):
     dist.all_gather_object(every_stage_names, stage_names(model, optimizer))
     # single_gpu.py's optimizer numbers the parameters group by group; within a group, here, stage after stage.
     order = [[name for names in every_stage_names for name in names[group]] for group in range(len(optimizer.param_groups))]
+    # Checkpoints gather through host memory: over NCCL, gather_object would hold every stage's part on rank 0's GPU.
+    host_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
     num_val = len(val_set)
     val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))  # the same for any world size
     log.info(f"device {device} | {num_params:,} parameters | {len(train_set)} train "
@@ -588,7 +602,7 @@ def main(args):
     # The line this script is about. The stage sends its outputs to the next stage and their gradients back to the one
     # before, and the schedule orders the micro-batches' forward and backward passes: GPipe all forwards, then all
     # backwards; 1F1B one backward after each forward once the pipeline is full, to hold fewer micro-batches'
-    # activations. Stage shapes are found at the first step, and must stay the same (see evaluate).
+    # activations. The shapes are split_model's examples: every pass must have them (see evaluate).
     # torch 2.13 changed the order of the arguments after device: by keyword, the same line runs on earlier versions.
     stage = PipelineStage(stage_module, rank, world_size, device, input_args=stage_inputs.to(device),
                           output_args=stage_outputs.to(device))
@@ -640,7 +654,7 @@ def main(args):
                 dist.all_reduce(finite, dist.ReduceOp.MIN)  # this stage's weights, then every stage's: all stop, or none
                 if not finite:
                     diverged(step, "the weights are no longer finite")
-                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, order)  # a collective: every stage
+                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, order, host_group)  # every stage
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
                 log.info(f"step {step:>5} | saved {ckpt_path}")
 
