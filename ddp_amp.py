@@ -12,6 +12,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import gc
 import itertools
 import logging
 import math
@@ -274,9 +275,10 @@ def throughput_unit(model, args):
 
 
 def leave_process_group():
-    """Destroy the process group while Python is whole: that joins gloo's threads, one of which, left running into
-    Python's exit, can abort the process. Only if nothing else holds the group: see the imports (and README)."""
+    """Destroy the process group, which joins gloo's threads if nothing else holds it (see the imports), then free
+    what reference cycles hold (fsdp.py's sharded modules): while Python is whole, not during its exit (README)."""
     dist.destroy_process_group()
+    gc.collect()
 
 
 def setup(args):
