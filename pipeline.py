@@ -440,7 +440,7 @@ def evaluate(schedule, model, loader, device):
         num_samples, missing = len(inputs), loader.batch_size - len(inputs)
         inputs, targets = (torch.cat([t, t[:1].expand(missing, *t.shape[1:])]) for t in (inputs, targets))
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        outputs = schedule.eval(*[inputs] if rank == 0 else [], target=targets if rank == last else None)
+        outputs = schedule.step(*[inputs] if rank == 0 else [])  # the last stage's outputs; None on the others
         if rank == last:
             outputs, targets = outputs[:num_samples], targets[:num_samples]
             correct, predictions = count_correct(outputs, targets)
@@ -606,15 +606,18 @@ def main(args):
     # backwards; 1F1B one backward after each forward once the pipeline is full, to hold fewer micro-batches'
     # activations. The shapes are split_model's examples: every pass must have them (see evaluate).
     # torch 2.13 changed the order of the arguments after device: by keyword, the same line runs on earlier versions.
-    stage = PipelineStage(stage_module, rank, world_size, device, input_args=stage_inputs.to(device),
-                          output_args=stage_outputs.to(device))
+    stage, eval_stage = [PipelineStage(stage_module, rank, world_size, device, input_args=stage_inputs.to(device),
+                                       output_args=stage_outputs.to(device)) for _ in range(2)]
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
     schedule = schedule_class(stage, n_microbatches=args.grad_accum, loss_fn=loss_fn)
+    # Evaluation has a stage and a schedule of its own, forward only (no loss_fn): on torch 2.10 and 2.11 a stage's
+    # first pass decides for good whether the activations it receives take gradients, and step 0 evaluates first.
+    eval_schedule = ScheduleGPipe(eval_stage, n_microbatches=args.grad_accum)
     # Rank 0 alone opens a TensorBoard writer; the other ranks enter an empty context, where writer is None.
     with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
-                val_loss, val_accuracy = evaluate(schedule, model, val_loader, device)
+                val_loss, val_accuracy = evaluate(eval_schedule, model, val_loader, device)
                 log.info(f"step {step:>5} | val loss {val_loss:.4f} | val accuracy {val_accuracy:.4f}")
                 if is_main_process:
                     writer.add_scalar("val/loss", val_loss, step)
