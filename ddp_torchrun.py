@@ -476,8 +476,8 @@ def main(args):
     micro_batches = None
     # The line this script is about. DDP copies rank 0's weights and buffers to every rank now (here, after any resume:
     # the copy is of the resumed weights); then in each backward() it averages the gradients across ranks, all-reducing
-    # each bucket of them while the rest of backward runs (not with --compile: see README). Evaluation and checkpoints
-    # use the bare model: no "module." prefix in the keys.
+    # each bucket of them while the rest of backward runs (compiled too: torch splits the graph at the buckets).
+    # Evaluation and checkpoints use the bare model: no "module." prefix in the keys.
     ddp_model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)  # grads reuse bucket memory
     # Rank 0 alone opens a TensorBoard writer; the other ranks enter an empty context, where writer is None.
     with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
