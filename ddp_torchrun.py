@@ -304,8 +304,12 @@ def peak_flops(device):
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    peaks = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H200": 989e12}  # H100 and H200 SXM
-    return 312e12 if name.startswith("NVIDIA A100") else peaks.get(name)
+    # Half the datasheets' figures "with sparsity": NVIDIA's A100, H100 (SXM, PCIe, NVL), H200, GH200 (an H100 SXM's
+    # compute) and HGX B200 (a B200 at 1,000 W) datasheets. H800 and others: no datasheet figure, no MFU.
+    peaks = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+             "NVIDIA H200": 989e12, "NVIDIA B200": 2.25e15}
+    families = {"NVIDIA A100": 312e12, "NVIDIA GH200": 989e12}  # every memory size: "NVIDIA A100-SXM4-80GB", ...
+    return next((peak for prefix, peak in families.items() if name.startswith(prefix)), peaks.get(name))
 
 
 # -- training step ------------------------------------------------------------

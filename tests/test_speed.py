@@ -55,8 +55,10 @@ def test_mfu_is_against_the_gpus_peak(tmp_path):
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
                                         ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
-                                        ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA H100 NVL", None),
-                                        ("NVIDIA H200 NVL", None), ("NVIDIA GeForce RTX 4090", None)])
+                                        ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA H100 NVL", 835e12),
+                                        ("NVIDIA GH200 480GB", 989e12), ("NVIDIA B200", 2.25e15), ("NVIDIA GB200", None),
+                                        ("NVIDIA H800", None), ("NVIDIA H200 NVL", None),
+                                        ("NVIDIA GeForce RTX 4090", None)])
 def test_peak_flops_only_for_gpus_in_the_table(monkeypatch, name, peak):
     """Never a made-up peak: a GPU the table does not name exactly gets FLOP/s alone."""
     script = import_script("single_gpu.py")
