@@ -283,7 +283,11 @@ def setup(args):
     """Prepare this process to train: pick its device and seed the model's initialisation."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))  # this process's number on its node: its GPU
+        if local_rank >= torch.cuda.device_count():
+            fail(f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; start at most that many "
+                 f"processes per node (--nproc_per_node)")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before init_process_group, so NCCL uses this process's GPU alone
     # torchrun sets these. Plain `python` makes a world of one, whose store may take any free port ("0"): no other
     # process has to find it.

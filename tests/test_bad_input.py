@@ -201,3 +201,16 @@ def test_compile_refused_under_dataparallel_on_several_gpus(tmp_path):
     assert result.returncode != 0
     assert result.output.strip() == ("dataparallel.py: error: --compile does not work with nn.DataParallel on several "
                                      "GPUs: use ddp_torchrun.py, or one GPU"), result.output
+
+
+@pytest.mark.parametrize("script", TORCHRUN)
+def test_more_processes_than_gpus_is_refused(script, tmp_path):
+    """Local rank 3 on a node of two GPUs (faked: nothing touches a GPU before the check) stops with one line, not
+    CUDA's "invalid device ordinal"."""
+    env = {**injected(tmp_path, "import torch\ntorch.cuda.is_available = lambda: True\n"
+                                "torch.cuda.device_count = lambda: 2\n"), "LOCAL_RANK": "3"}
+    result = run_command([sys.executable, str(ROOT / script), *TINY, "--device", "cuda", "--log-dir", str(tmp_path)],
+                         env=env, timeout=30)
+    assert result.returncode != 0
+    assert result.output.strip() == (f"{script}: error: local rank 3 has no GPU: this node has 2; start at most that "
+                                     f"many processes per node (--nproc_per_node)"), result.output
