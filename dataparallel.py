@@ -23,6 +23,9 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+if torch.__version__ < "2.4":  # compared as versions, before the imports below: an older torch lacks some of them
+    sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.4 or newer, found {torch.__version__}")
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset

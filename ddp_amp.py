@@ -23,6 +23,9 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+if torch.__version__ < "2.8":  # compared as versions, before the imports below: an older torch lacks some of them
+    sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.8 or newer, found {torch.__version__}")
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  before any group exists: imported later, it would keep the default one alive
 import torch.nn as nn

@@ -214,3 +214,22 @@ def test_more_processes_than_gpus_is_refused(script, tmp_path):
     assert result.returncode != 0
     assert result.output.strip() == (f"{script}: error: local rank 3 has no GPU: this node has 2; start at most that "
                                      f"many processes per node (--nproc_per_node)"), result.output
+
+
+def readme_floors():
+    """{script: the oldest torch it runs on}, from the README's table of floors."""
+    rows = re.findall(r"^\| `(\w+\.py)` \| (\d+)\.(\d+) \|", (ROOT / "README.md").read_text(), re.MULTILINE)
+    return {script: (int(major), int(minor)) for script, major, minor in rows}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_too_old_a_torch_is_refused_in_one_line(script, tmp_path):
+    """The release before the script's floor in the README (faked: torch.__version__ set at start-up) stops it with
+    one line naming both versions, before the imports that such a torch may lack."""
+    major, minor = readme_floors()[script]
+    older = f"{major}.{minor - 1}.0+cu124"
+    env = injected(tmp_path, f"import torch\nfrom torch.torch_version import TorchVersion\n"
+                             f"torch.__version__ = TorchVersion({older!r})\n")
+    result = run_command([sys.executable, str(ROOT / script), "--help"], env=env, timeout=60)
+    assert result.returncode != 0
+    assert result.output.strip() == f"{script}: error: this script needs torch {major}.{minor} or newer, found {older}"
