@@ -110,6 +110,7 @@ def test_bf16_on_a_gpu_without_it_names_another_precision(monkeypatch, script, a
     """Before Ampere (compute capability 8) GPUs have no bf16: --precision bf16 then stops before joining the group."""
     module = import_script(script)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
