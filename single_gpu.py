@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-if torch.__version__ < "2.4":  # compared as versions, before the imports below: an older torch lacks some of them
+if torch.__version__ < "2.4":  # compared as versions; checked before the imports below, which an older torch may lack
     sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.4 or newer, found {torch.__version__}")
 import torch.nn as nn
 import torch.nn.functional as F
@@ -291,7 +291,10 @@ def peak_flops(device):
     peaks = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
              "NVIDIA H200": 989e12, "NVIDIA B200": 2.25e15}
     families = {"NVIDIA A100": 312e12, "NVIDIA GH200": 989e12}  # every memory size: "NVIDIA A100-SXM4-80GB", ...
-    return next((peak for prefix, peak in families.items() if name.startswith(prefix)), peaks.get(name))
+    for prefix, peak in families.items():
+        if name.startswith(prefix):
+            return peak
+    return peaks.get(name)
 
 
 # -- training step ------------------------------------------------------------
