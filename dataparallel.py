@@ -26,6 +26,7 @@ import torch
 
 if torch.__version__ < "2.4":  # compared as versions; checked before the imports below, which an older torch may lack
     sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.4 or newer, found {torch.__version__}")
+
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset

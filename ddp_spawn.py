@@ -26,6 +26,7 @@ import torch
 
 if torch.__version__ < "2.8":  # compared as versions; checked before the imports below, which an older torch may lack
     sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.8 or newer, found {torch.__version__}")
+
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  before any group exists: imported later, it would keep the default one alive
 import torch.multiprocessing as mp

@@ -26,6 +26,7 @@ import torch
 
 if torch.__version__ < "2.8":  # compared as versions; checked before the imports below, which an older torch may lack
     sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.8 or newer, found {torch.__version__}")
+
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  before any group exists: imported later, it would keep the default one alive
 import torch.nn as nn
@@ -286,10 +287,10 @@ def setup(args):
     """Prepare this process to train: pick its device and seed the model's initialisation."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))  # this process's number on its node: its GPU
-        if local_rank >= torch.cuda.device_count():
-            fail(f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; start at most that many "
-                 f"processes per node (--nproc_per_node)")
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()  # local rank r uses GPU r
+        if local_rank >= gpus:
+            fail(f"local rank {local_rank} has no GPU: this node has {gpus}; start at most that many processes per node "
+                 f"(--nproc_per_node)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before init_process_group, so NCCL uses this process's GPU alone
     # torchrun sets these. Plain `python` makes a world of one, whose store may take any free port ("0"): no other

@@ -222,14 +222,21 @@ def readme_floors():
     return {script: (int(major), int(minor)) for script, major, minor in rows}
 
 
+def with_torch_version(script, version, tmp_path):
+    """`script --help` in a process whose torch.__version__ says `version` from start-up."""
+    env = injected(tmp_path, f"import torch\nfrom torch.torch_version import TorchVersion\n"
+                             f"torch.__version__ = TorchVersion({version!r})\n")
+    return run_command([sys.executable, str(ROOT / script), "--help"], env=env, timeout=60)
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_too_old_a_torch_is_refused_in_one_line(script, tmp_path):
-    """The release before the script's floor in the README (faked: torch.__version__ set at start-up) stops it with
-    one line naming both versions, before the imports that such a torch may lack."""
+    """The release before the script's floor in the README (faked) stops it with one line naming both versions, before
+    the imports that such a torch may lack; the floor's own first release (faked too) passes the check."""
     major, minor = readme_floors()[script]
     older = f"{major}.{minor - 1}.0+cu124"
-    env = injected(tmp_path, f"import torch\nfrom torch.torch_version import TorchVersion\n"
-                             f"torch.__version__ = TorchVersion({older!r})\n")
-    result = run_command([sys.executable, str(ROOT / script), "--help"], env=env, timeout=60)
+    result = with_torch_version(script, older, tmp_path)
     assert result.returncode != 0
     assert result.output.strip() == f"{script}: error: this script needs torch {major}.{minor} or newer, found {older}"
+    result = with_torch_version(script, f"{major}.{minor}.0+cu124", tmp_path)
+    assert result.returncode == 0 and result.output.startswith("usage: "), result.output
