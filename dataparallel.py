@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -220,11 +221,17 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
         self.norm = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+
+    def init_tensor(self, name, value, generator):
+        """Fill `value`, a CPU tensor shaped as the parameter or buffer `name`, with its initial values, drawn from
+        `generator`: weights of Linear and Embedding layers from N(0, 0.02) as in GPT-2, biases 0, LayerNorm's scales
+        1. The scripts call this once per tensor (init_weights): no process need ever hold the whole model."""
+        if isinstance(self.get_submodule(name.rpartition(".")[0]), nn.LayerNorm):
+            value.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif name.endswith("bias"):
+            value.zero_()
+        else:
+            value.normal_(0.0, 0.02, generator=generator)
 
     # forward() in three parts, the modules registered in the same order: the layers before the blocks, the
     # blocks, the layers after them. A pipeline stage (pipeline.py) runs the parts it holds.
@@ -301,6 +308,32 @@ def peak_flops(device):
         if name.startswith(prefix):
             return peak
     return peaks.get(name)
+
+
+@torch.no_grad()
+def init_weights(model, seed):
+    """Give every parameter and buffer its initial values, one whole tensor at a time on the CPU, drawn by the model's
+    init_tensor() from a generator seeded by `seed` and the tensor's name: a tensor starts with the same values in
+    every script, whichever process holds it, whole or in shards. A model without init_tensor() keeps the values its
+    constructor gave it."""
+    if not hasattr(model, "init_tensor"):
+        return
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        value = torch.empty(tensor.shape, dtype=tensor.dtype)
+        model.init_tensor(name, value, torch.Generator().manual_seed(zlib.crc32(f"{seed} {name}".encode())))
+        tensor.copy_(value)
+
+
+def peak_memory(device):
+    """The most memory this process has held so far, in bytes: on a GPU what torch's allocator gave its tensors, on
+    a CPU all the process had resident, torch itself included, as the OS counts it (None on Windows: no `resource`)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
 
 
 # -- training step ------------------------------------------------------------
@@ -419,6 +452,7 @@ def main(args):
     if len(val_set) == 0:
         fail("the validation set is empty: the data section must hold some samples out")
     model, config = build_model(args, data_info)
+    init_weights(model, args.seed)
     model.to(device)
     if args.compile:  # in place: the state dict keeps its keys, and checkpoints stay interchangeable with eager runs
         model.compile()
@@ -504,6 +538,10 @@ def main(args):
                     diverged(step, "the weights are no longer finite")
                 save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)
                 log.info(f"step {step:>5} | saved {ckpt_path}")
+    peaks = [peak_memory(device)]  # this process's; the DDP scripts gather every process's
+    if peaks[0] is not None:
+        log.info(f"peak memory per process: {', '.join(f'{peak / 2**30:.2f}' for peak in peaks)} GiB "
+                 f"({'allocated on the GPU' if device.type == 'cuda' else 'resident, torch included'})")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import functools
 import gc
 import itertools
 import logging
@@ -22,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -38,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torch.utils.tensorboard import SummaryWriter
 
@@ -78,6 +81,9 @@ def parse_args():
                         help="bf16: weights gathered and computed in bf16, gradients reduced and stepped in fp32")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each of model.blocks: slower start, faster steps")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="keep each block's input alone, and run its forward again in backward: less memory, more "
+                        "compute")
     parser.add_argument("--profile", action="store_true",
                         help="trace steps 7 to 9 of this run with torch.profiler: a Chrome trace per process in --log-dir")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
@@ -231,11 +237,17 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
         self.norm = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+
+    def init_tensor(self, name, value, generator):
+        """Fill `value`, a CPU tensor shaped as the parameter or buffer `name`, with its initial values, drawn from
+        `generator`: weights of Linear and Embedding layers from N(0, 0.02) as in GPT-2, biases 0, LayerNorm's scales
+        1. The scripts call this once per tensor (init_weights): no process need ever hold the whole model."""
+        if isinstance(self.get_submodule(name.rpartition(".")[0]), nn.LayerNorm):
+            value.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif name.endswith("bias"):
+            value.zero_()
+        else:
+            value.normal_(0.0, 0.02, generator=generator)
 
     # forward() in three parts, the modules registered in the same order: the layers before the blocks, the
     # blocks, the layers after them. A pipeline stage (pipeline.py) runs the parts it holds.
@@ -331,6 +343,8 @@ def shard_model(model, args, device):
     # model's outputs to fp32, for the loss (a block's would hand the root's own bf16 LayerNorm fp32, which it refuses).
     param_dtype = torch.bfloat16 if args.precision == "bf16" else None  # None: as they are, fp32
     for block in model.blocks.children() if hasattr(model, "blocks") else []:
+        if args.activation_checkpointing:  # the block's input alone is kept; backward recomputes the rest from it
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
         if args.compile:  # in place, each block alone (the root stays eager): FSDP's gathers run between the graphs
             block.compile()
         fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
@@ -358,6 +372,34 @@ def peak_flops(device):
         if name.startswith(prefix):
             return peak
     return peaks.get(name)
+
+
+@torch.no_grad()
+def init_weights(model, seed):
+    """Give every parameter and buffer its initial values, one whole tensor at a time on the CPU, drawn by the model's
+    init_tensor() from a generator seeded by `seed` and the tensor's name: a tensor starts with the same values in
+    every script, whichever process holds it, whole or in shards. A model without init_tensor() keeps the values its
+    constructor gave it."""
+    if not hasattr(model, "init_tensor"):
+        return
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        value = torch.empty(tensor.shape, dtype=tensor.dtype)
+        model.init_tensor(name, value, torch.Generator().manual_seed(zlib.crc32(f"{seed} {name}".encode())))
+        if isinstance(tensor, DTensor):  # a shard: this rank keeps its rows of the whole value, and sends nothing
+            value = distribute_tensor(value.to(tensor.device), tensor.device_mesh, tensor.placements, src_data_rank=None)
+        tensor.copy_(value)
+
+
+def peak_memory(device):
+    """The most memory this process has held so far, in bytes: on a GPU what torch's allocator gave its tensors, on
+    a CPU all the process had resident, torch itself included, as the OS counts it (None on Windows: no `resource`)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
 
 
 # -- training step ------------------------------------------------------------
@@ -437,22 +479,35 @@ def evaluate(model, loader, device):
 # -- checkpointing ------------------------------------------------------------
 
 
-def save_checkpoint(path, model, optimizer, scheduler, step, config):
-    """Every rank writes its own shards, in parallel, into a new directory; then rank 0 points the link `path` at it
-    and removes the old one. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint whole
-    (DCP saving into the old directory would overwrite it in place)."""
+def param_names(model, optimizer):
+    """The names of the parameters this process holds (whole, or a shard of each), group by group, in the order its
+    optimizer numbers them."""
+    names = {param: name for name, param in model.named_parameters()}
+    return [[names[param] for param in group["params"]] for group in optimizer.param_groups]
+
+
+def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
+    """Every rank writes what it holds (fsdp.py: its shards of every tensor; pipeline.py: its stage's tensors) under
+    the whole model's names, in parallel, into a new directory; then rank 0 points the link `path` at it and removes
+    the old one. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint whole (DCP saving into
+    the old directory would overwrite it in place). `order` names the whole model's parameters, group by group."""
     directory, name = os.path.split(path)
     new = f"{name}-{step:06d}"  # DIR/checkpoint -> checkpoint-000100, beside it
     if dist.get_rank() == 0:
         shutil.rmtree(os.path.join(directory, new), ignore_errors=True)  # left by a crash in the middle of this save
     dist.barrier()
-    # The whole model's names, FQN-keyed optimizer state (a plain one numbers the parameters) and the rest as objects.
+    # Tensors under the whole model's names, AdamW's state keyed by those names (a plain optimizer's numbers them), and
+    # the rest as objects, the same on every rank: DCP writes one copy of each.
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
+    for group, names in zip(state["optimizer"]["param_groups"], order):  # every rank's names: the same groups on all
+        group["params"] = names
     try:  # a file per rank, then .metadata: nothing is gathered
         dcp.save(state, checkpoint_id=os.path.join(directory, new))
     except (Exception, dcp.CheckpointException) as e:  # every rank gets every rank's errors, and stops
-        fail(f"cannot write checkpoint {os.path.join(directory, new)}: {str(e).strip().splitlines()[0]}")
+        e = next(iter(e.failures.values()))[0] if isinstance(e, dcp.CheckpointException) else e
+        fail(f"cannot write checkpoint {os.path.join(directory, new)}: "
+             f"{(str(e).strip() or type(e).__name__).splitlines()[0]}")
     if dist.get_rank() == 0:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path + ".tmp")
@@ -464,12 +519,12 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config):
 
 
 def read_checkpoint(path, state):
-    """Load the shards at `path` into the tensors and objects of `state`, in place; or, for state None, return the
-    whole state dict in the checkpoint.pt beside it. Any error ends the run with one line, on every rank."""
+    """Load the checkpoint at `path` into the tensors and objects of `state`, in place; or, for state None, return
+    the whole state dict in the checkpoint.pt beside it. Any error ends the run with one line, on every rank."""
     try:
-        if state is None:  # every rank maps the file, rather than reading it all, and keeps its shards
+        if state is None:  # every rank maps the file, rather than reading it all, and keeps its part
             return torch.load(path + ".pt", map_location="cpu", weights_only=True, mmap=True)
-        dcp.load(state, checkpoint_id=path)  # each rank reads the parts of the files that its shards need
+        dcp.load(state, checkpoint_id=path)  # each rank reads the parts of the files that its tensors need
         return state
     except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's errors as one BaseException
         e = next(iter(e.failures.values()))[0] if isinstance(e, dcp.CheckpointException) else e
@@ -477,9 +532,10 @@ def read_checkpoint(path, state):
              f"{(str(e).strip() or type(e).__name__).splitlines()[0]}")
 
 
-def load_checkpoint(path, model, optimizer, scheduler, config, device):
-    """Restore the training state in place and return the step to continue from: from the shards at `path`, saved
-    by any number of processes (DCP reshards them), or from the checkpoint.pt of another script beside it."""
+def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
+    """Restore this process's training state in place and return the step to continue from: from the checkpoint at
+    `path`, saved by fsdp.py or pipeline.py on any number of processes (DCP reshards it), or from the checkpoint.pt
+    of another script beside it."""
     whole = os.path.exists(path + ".pt")
     if whole and os.path.exists(path):  # this script resumed another's checkpoint.pt, or another script a conversion
         whole = read_checkpoint(path, None)["step"] > read_checkpoint(path, {"step": 0})["step"]  # the later one
@@ -491,9 +547,8 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
         fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
-    if whole:  # a plain optimizer numbers the parameters in the order of its groups; FSDP's state dicts name them
-        names = {param: name for name, param in model.named_parameters()}
-        names = [names[param] for group in optimizer.param_groups for param in group["params"]]
+    if whole:  # a plain optimizer numbers the whole model's parameters in the order of its groups; ours names them
+        names = list(itertools.chain(*order))
         saved = state["optimizer"]
         saved["state"] = {names[i] if isinstance(i, int) else i: value for i, value in saved["state"].items()}
         for group in saved["param_groups"]:
@@ -501,7 +556,7 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
     else:
         state.update(read_checkpoint(path, {"model": get_model_state_dict(model),
                                             "optimizer": get_optimizer_state_dict(model, optimizer)}))
-    options = StateDictOptions(full_state_dict=whole)  # whole tensors: each rank keeps its shard of each
+    options = StateDictOptions(full_state_dict=whole, strict=not whole)  # whole tensors: each rank keeps its part
     set_model_state_dict(model, state["model"], options=options)
     # The checkpoint says where training is; this run's flags say how it goes on. The saved groups hold
     # the --lr and --weight-decay of the run that wrote them, and its device's kernel (fused=False on a CPU).
@@ -530,11 +585,19 @@ def main(args):
         fail(f"--batch-size {args.batch_size} is more than the {len(train_set)} training samples")
     if len(val_set) == 0:
         fail("the validation set is empty: the data section must hold some samples out")
-    model, config = build_model(args, data_info)
-    model.to(device)
+    with torch.device("meta"):  # names and shapes, no memory: no process ever holds the whole model, only its shards
+        model, config = build_model(args, data_info)
+    if not hasattr(model, "init_tensor"):  # its values come whole from its constructor: build it so, then shard it
+        log.info("the model has no init_tensor(): every process builds it whole before sharding it (see README)")
+        model, config = build_model(args, data_info)
+        model.to(device)
     unsharded_bytes = sum(p.nbytes for p in model.parameters())
     shard_model(model, args, device)  # before the optimizer is built: it must hold the shards, not the whole tensors
+    if hasattr(model, "init_tensor"):
+        model.to_empty(device=device)  # allocates this rank's shards, uninitialised
+        init_weights(model, args.seed)
     optimizer, scheduler = configure_optimizer(model, args, device)
+    order = param_names(model, optimizer)  # each rank holds a shard of every parameter: the whole model's names
     per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # samples in one forward pass
     num_val = len(val_set)
     val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))  # the same for any world size
@@ -555,7 +618,7 @@ def main(args):
     if len(set(found)) > 1:
         fail("some ranks found a checkpoint and some did not: all must read one checkpoint, in a shared --ckpt-dir")
     if found[0]:
-        step = load_checkpoint(ckpt_path, model, optimizer, scheduler, config, device)
+        step = load_checkpoint(ckpt_path, model, optimizer, scheduler, config, device, order)
         log.info(f"resumed from {ckpt_path} at step {step}")
     steps = [None] * world_size
     dist.all_gather_object(steps, step)  # ranks that resumed from different checkpoints, or none, would train apart
@@ -636,9 +699,14 @@ def main(args):
                 dist.all_reduce(finite, dist.ReduceOp.MIN)  # this rank's shards, then every rank's: all stop, or none
                 if not finite:
                     diverged(step, "the weights are no longer finite")
-                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)  # every rank writes its shards
+                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, order)  # every rank writes its part
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
                 log.info(f"step {step:>5} | saved {ckpt_path}")
+    peaks = [None] * world_size
+    dist.all_gather_object(peaks, peak_memory(device))  # every process's own, for rank 0 to log; a collective
+    if peaks[0] is not None:
+        log.info(f"peak memory per process: {', '.join(f'{peak / 2**30:.2f}' for peak in peaks)} GiB "
+                 f"({'allocated on the GPU' if device.type == 'cuda' else 'resident, torch included'})")
 
 
 if __name__ == "__main__":

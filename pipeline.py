@@ -13,14 +13,17 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import functools
 import gc
 import itertools
 import logging
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -30,9 +33,13 @@ if torch.__version__ < "2.10":  # compared as versions; checked before the impor
 
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  before any group exists: imported later, it would keep the default one alive
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset
 from torch.utils.tensorboard import SummaryWriter
 
@@ -66,12 +73,16 @@ def parse_args():
                         help="validation batches of --batch-size samples per pass, the first of the split")
     parser.add_argument("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]),
                         help="TensorBoard directory")
-    parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint.pt here and resume from it (default: off)")
+    parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint here, a directory of each stage's tensors, and resume "
+                        "from it (or from another script's DIR/checkpoint.pt; default: off)")
     parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model: slower start, faster steps")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="keep each block's input alone, and run its forward again in backward: less memory, more "
+                        "compute")
     parser.add_argument("--profile", action="store_true",
                         help="trace steps 7 to 9 of this run with torch.profiler: a Chrome trace per process in --log-dir")
     own_flags = vars(parser.parse_known_args([])[0])  # checked below; the data and model sections check theirs
@@ -226,11 +237,17 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
         self.norm = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+
+    def init_tensor(self, name, value, generator):
+        """Fill `value`, a CPU tensor shaped as the parameter or buffer `name`, with its initial values, drawn from
+        `generator`: weights of Linear and Embedding layers from N(0, 0.02) as in GPT-2, biases 0, LayerNorm's scales
+        1. The scripts call this once per tensor (init_weights): no process need ever hold the whole model."""
+        if isinstance(self.get_submodule(name.rpartition(".")[0]), nn.LayerNorm):
+            value.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif name.endswith("bias"):
+            value.zero_()
+        else:
+            value.normal_(0.0, 0.02, generator=generator)
 
     # forward() in three parts, the modules registered in the same order: the layers before the blocks, the
     # blocks, the layers after them. A pipeline stage (pipeline.py) runs the parts it holds.
@@ -334,7 +351,7 @@ def split_model(model, stage, num_stages, inputs):
     """Keep this stage's part of the model and drop the rest: a run of consecutive blocks, as even as their
     number allows, and the modules registered before the blocks on the first stage, after them on the last.
     Returns what each stage holds, by module name, and what this stage takes in and gives out for `inputs`, a
-    micro-batch."""
+    micro-batch on the meta device, as the model is."""
     if not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
         fail("pipeline.py splits the model's blocks: they must be in a ModuleDict named blocks (see README)")
     blocks = list(model.blocks)
@@ -347,19 +364,18 @@ def split_model(model, stage, num_stages, inputs):
         fail("pipeline.py cannot split a model whose modules share a parameter (tied weights): see README")
     # Stage s holds blocks ceil(s * n / S) up to ceil((s + 1) * n / S): any left over go to the first stages, not to
     # the last, which also holds the layers after the blocks.
-    edges = [math.ceil(s * len(blocks) / num_stages) for s in range(num_stages + 1)]
-    runs = [blocks[start:end] for start, end in zip(edges, edges[1:])]
-    # The whole model's forward, cut where the stages meet. Without these examples, PipelineStage finds the shapes by
-    # running each stage at the first step, in training mode, on uninitialised inputs: BatchNorm would count them.
-    model.eval()  # BatchNorm and dropout as in evaluation: this pass is not training
+    bounds = [math.ceil(s * len(blocks) / num_stages) for s in range(num_stages + 1)]
+    runs = [blocks[start:end] for start, end in zip(bounds, bounds[1:])]
+    # The whole model's forward on the meta device, cut where the stages meet: shapes and dtypes, with no memory and
+    # no arithmetic. Without these examples, PipelineStage finds the shapes by running each stage at the first step,
+    # in training mode, on uninitialised inputs: BatchNorm would count them.
     with torch.no_grad():
-        x, edges = model.embed(inputs), [inputs]
+        x, activations = model.embed(inputs), [inputs]
         for s, run in enumerate(runs):
             for name in run:
                 x = model.blocks[name](x)
-            edges.append(model.output(x) if s == num_stages - 1 else x)
-    model.train()
-    edges[1:] = [edge.requires_grad_() for edge in edges[1:]]  # in training, gradients flow back through these
+            activations.append(model.output(x) if s == num_stages - 1 else x)
+    activations[1:] = [x.requires_grad_() for x in activations[1:]]  # in training, gradients flow back through these
     children = [name for name, _ in model.named_children()]
     before, after = children[:children.index("blocks")], children[children.index("blocks") + 1:]
     parts = [[f"blocks.{name}" for name in run] for run in runs]
@@ -370,7 +386,7 @@ def split_model(model, stage, num_stages, inputs):
         # Deleted from a ModuleDict, a block leaves the others' names as they were ("blocks.2" stays "blocks.2"): the
         # stages' state dicts hold the whole model's keys between them, and checkpoints match single_gpu.py's.
         delattr(model.get_submodule(parent), child)
-    return parts, edges[stage], edges[stage + 1]
+    return parts, activations[stage], activations[stage + 1]
 
 
 class Stage(nn.Module):
@@ -385,6 +401,32 @@ class Stage(nn.Module):
         for block in self.model.blocks.values():
             x = block(x)
         return self.model.output(x) if self.is_last else x
+
+
+@torch.no_grad()
+def init_weights(model, seed):
+    """Give every parameter and buffer its initial values, one whole tensor at a time on the CPU, drawn by the model's
+    init_tensor() from a generator seeded by `seed` and the tensor's name: a tensor starts with the same values in
+    every script, whichever process holds it, whole or in shards. A model without init_tensor() keeps the values its
+    constructor gave it."""
+    if not hasattr(model, "init_tensor"):
+        return
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        value = torch.empty(tensor.shape, dtype=tensor.dtype)
+        model.init_tensor(name, value, torch.Generator().manual_seed(zlib.crc32(f"{seed} {name}".encode())))
+        tensor.copy_(value)
+
+
+def peak_memory(device):
+    """The most memory this process has held so far, in bytes: on a GPU what torch's allocator gave its tensors, on
+    a CPU all the process had resident, torch itself included, as the OS counts it (None on Windows: no `resource`)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
 
 
 # -- training step ------------------------------------------------------------
@@ -471,69 +513,90 @@ def evaluate(schedule, model, loader, device):
 # -- checkpointing ------------------------------------------------------------
 
 
-def stage_names(model, optimizer):
-    """This stage's parameter names, group by group, in the order its optimizer numbers them."""
+def param_names(model, optimizer):
+    """The names of the parameters this process holds (whole, or a shard of each), group by group, in the order its
+    optimizer numbers them."""
     names = {param: name for name, param in model.named_parameters()}
     return [[names[param] for param in group["params"]] for group in optimizer.param_groups]
 
 
-def save_checkpoint(path, model, optimizer, scheduler, step, config, order, group):
-    """Gather every stage's part on rank 0, which writes the whole model's checkpoint, as single_gpu.py's: to a
-    temporary file, then renamed over the old one, so that a crash mid-write leaves the previous checkpoint intact.
-    `order` names the whole model's parameters group by group, as single_gpu.py's optimizer numbers them; `group`
-    is the process group to gather over."""
-    optimizer_state = optimizer.state_dict()
-    names = list(itertools.chain(*stage_names(model, optimizer)))
-
-    def cpu(state):  # rank 0 unpickles what it gathers, and could not place another host's GPU tensors
-        return {key: value.cpu() if torch.is_tensor(value) else value for key, value in state.items()}
-
-    part = {"model": cpu(model.state_dict()),  # each stage's optimizer numbers its own parameters from 0: name them
-            "optimizer": {names[number]: cpu(state) for number, state in optimizer_state["state"].items()}}
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(part, parts, group=group)
-    if dist.get_rank() != 0:
-        return
-    numbers = {name: number for number, name in enumerate(itertools.chain(*order))}
-    groups = [{**group, "params": [numbers[name] for name in names]}
-              for group, names in zip(optimizer_state["param_groups"], order)]
-    state = {"model": {key: value for part in parts for key, value in part["model"].items()},
-             "optimizer": {"state": {numbers[name]: value for part in parts for name, value in part["optimizer"].items()},
-                           "param_groups": groups},
+def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
+    """Every rank writes what it holds (fsdp.py: its shards of every tensor; pipeline.py: its stage's tensors) under
+    the whole model's names, in parallel, into a new directory; then rank 0 points the link `path` at it and removes
+    the old one. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint whole (DCP saving into
+    the old directory would overwrite it in place). `order` names the whole model's parameters, group by group."""
+    directory, name = os.path.split(path)
+    new = f"{name}-{step:06d}"  # DIR/checkpoint -> checkpoint-000100, beside it
+    if dist.get_rank() == 0:
+        shutil.rmtree(os.path.join(directory, new), ignore_errors=True)  # left by a crash in the middle of this save
+    dist.barrier()
+    # Tensors under the whole model's names, AdamW's state keyed by those names (a plain optimizer's numbers them), and
+    # the rest as objects, the same on every rank: DCP writes one copy of each.
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    for group, names in zip(state["optimizer"]["param_groups"], order):  # every rank's names: the same groups on all
+        group["params"] = names
+    try:  # a file per rank, then .metadata: nothing is gathered
+        dcp.save(state, checkpoint_id=os.path.join(directory, new))
+    except (Exception, dcp.CheckpointException) as e:  # every rank gets every rank's errors, and stops
+        e = next(iter(e.failures.values()))[0] if isinstance(e, dcp.CheckpointException) else e
+        fail(f"cannot write checkpoint {os.path.join(directory, new)}: "
+             f"{(str(e).strip() or type(e).__name__).splitlines()[0]}")
+    if dist.get_rank() == 0:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + ".tmp")
+        os.symlink(new, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        for old in os.listdir(directory):
+            if old.startswith(name + "-") and old != new:
+                shutil.rmtree(os.path.join(directory, old), ignore_errors=True)  # the link has moved on: not fatal
+
+
+def read_checkpoint(path, state):
+    """Load the checkpoint at `path` into the tensors and objects of `state`, in place; or, for state None, return
+    the whole state dict in the checkpoint.pt beside it. Any error ends the run with one line, on every rank."""
+    try:
+        if state is None:  # every rank maps the file, rather than reading it all, and keeps its part
+            return torch.load(path + ".pt", map_location="cpu", weights_only=True, mmap=True)
+        dcp.load(state, checkpoint_id=path)  # each rank reads the parts of the files that its tensors need
+        return state
+    except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's errors as one BaseException
+        e = next(iter(e.failures.values()))[0] if isinstance(e, dcp.CheckpointException) else e
+        fail(f"cannot read checkpoint {path + '.pt' if state is None else path}: "
+             f"{(str(e).strip() or type(e).__name__).splitlines()[0]}")
 
 
 def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
-    """Restore the training state in place and return the step to continue from."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)  # the whole model: not onto one GPU
-    except Exception as e:
-        fail(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}")
+    """Restore this process's training state in place and return the step to continue from: from the checkpoint at
+    `path`, saved by fsdp.py or pipeline.py on any number of processes (DCP reshards it), or from the checkpoint.pt
+    of another script beside it."""
+    whole = os.path.exists(path + ".pt")
+    if whole and os.path.exists(path):  # this script resumed another's checkpoint.pt, or another script a conversion
+        whole = read_checkpoint(path, None)["step"] > read_checkpoint(path, {"step": 0})["step"]  # the later one
+    if whole:
+        log.info(f"reading {path}.pt, the checkpoint of another script")
+    # The configuration first: the shards of another model would not fit this one's.
+    state = read_checkpoint(path, None if whole else {"scheduler": scheduler.state_dict(), "step": 0,
+                                                     "config": dict.fromkeys(config)})
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
         fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
-    own = model.state_dict().keys()
-    model.load_state_dict({key: value for key, value in state["model"].items() if key in own})
-    # The checkpoint keys the whole model's optimizer state by number (or, converted from fsdp.py, by name), in the
-    # order of its groups: matched by position, as optimizer.load_state_dict matches, this stage takes its own.
-    whole = state["optimizer"]
-    keys = dict(zip(itertools.chain(*order), itertools.chain(*(group["params"] for group in whole["param_groups"]))))
-    names, count = stage_names(model, optimizer), itertools.count()
-    state["optimizer"] = {"state": {local: whole["state"][keys[name]] for local, name in enumerate(itertools.chain(*names))
-                                    if keys[name] in whole["state"]},
-                          "param_groups": [{**group, "params": [next(count) for _ in group_names]}
-                                           for group, group_names in zip(whole["param_groups"], names)]}
+    if whole:  # a plain optimizer numbers the whole model's parameters in the order of its groups; ours names them
+        names = list(itertools.chain(*order))
+        saved = state["optimizer"]
+        saved["state"] = {names[i] if isinstance(i, int) else i: value for i, value in saved["state"].items()}
+        for group in saved["param_groups"]:
+            group["params"] = [names[i] if isinstance(i, int) else i for i in group["params"]]
+    else:
+        state.update(read_checkpoint(path, {"model": get_model_state_dict(model),
+                                            "optimizer": get_optimizer_state_dict(model, optimizer)}))
+    options = StateDictOptions(full_state_dict=whole, strict=not whole)  # whole tensors: each rank keeps its part
+    set_model_state_dict(model, state["model"], options=options)
     # The checkpoint says where training is; this run's flags say how it goes on. The saved groups hold
     # the --lr and --weight-decay of the run that wrote them, and its device's kernel (fused=False on a CPU).
     for saved, group in zip(state["optimizer"]["param_groups"], optimizer.param_groups):
         saved.update({key: value for key, value in group.items() if key != "params"})
-    optimizer.load_state_dict(state["optimizer"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     scheduler.load_state_dict({**state["scheduler"], "base_lrs": scheduler.base_lrs})
     for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base_lr * factor(scheduler.last_epoch)  # this run's schedule where the saved one stood
@@ -557,22 +620,31 @@ def main(args):
         fail(f"--batch-size {args.batch_size} is more than the {len(train_set)} training samples")
     if len(val_set) == 0:
         fail("the validation set is empty: the data section must hold some samples out")
-    model, config = build_model(args, data_info)
+    with torch.device("meta"):  # names and shapes, no memory: no process ever holds the whole model, only its stage
+        model, config = build_model(args, data_info)
     unit, units_per_sample, flops_per_unit = throughput_unit(model, args)  # the whole model's, before the split
     num_params = sum(p.numel() for p in model.parameters())
-    micro_batch = next(iter(DataLoader(train_set, args.batch_size // args.grad_accum)))[0]  # its inputs, for the shapes
+    sample = train_set[0][0]  # an input's shape and dtype, for a micro-batch of them on the meta device
+    micro_batch = torch.empty(args.batch_size // args.grad_accum, *sample.shape, dtype=sample.dtype, device="meta")
     parts, stage_inputs, stage_outputs = split_model(model, rank, world_size, micro_batch)
-    model.to(device)
+    if hasattr(model, "init_tensor"):
+        model.to_empty(device=device)  # allocates this stage's tensors, uninitialised
+        init_weights(model, args.seed)
+    else:  # its values come whole from its constructor: build it so, and keep this stage's
+        log.info("the model has no init_tensor(): every process builds it whole, then keeps its stage (see README)")
+        model.load_state_dict(build_model(args, data_info)[0].state_dict(), strict=False, assign=True)
+        model.to(device)
     stage_module = Stage(model, is_first=rank == 0, is_last=rank == world_size - 1)
+    if args.activation_checkpointing:  # each block's input alone is kept; backward recomputes the rest from it
+        for block in model.blocks.values():
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     if args.compile:  # in place: the state dict keeps its keys, and checkpoints stay interchangeable with eager runs
         stage_module.compile()
     optimizer, scheduler = configure_optimizer(model, args, device)
     every_stage_names = [None] * world_size
-    dist.all_gather_object(every_stage_names, stage_names(model, optimizer))
+    dist.all_gather_object(every_stage_names, param_names(model, optimizer))
     # single_gpu.py's optimizer numbers the parameters group by group; within a group, here, stage after stage.
     order = [[name for names in every_stage_names for name in names[group]] for group in range(len(optimizer.param_groups))]
-    # Checkpoints gather through host memory: over NCCL, gather_object would hold every stage's part on rank 0's GPU.
-    host_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
     num_val = len(val_set)
     val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))  # the same for any world size
     log.info(f"device {device} | {num_params:,} parameters | {len(train_set)} train "
@@ -586,8 +658,12 @@ def main(args):
              f"(the bubble): more micro-batches shrink it")
 
     step = 0
-    ckpt_path = args.ckpt_dir and os.path.join(args.ckpt_dir, "checkpoint.pt")
-    if ckpt_path and os.path.exists(ckpt_path):
+    ckpt_path = args.ckpt_dir and os.path.join(args.ckpt_dir, "checkpoint")  # a link to a directory of tensors
+    found = [None] * world_size  # loading with DCP is a collective: all ranks or none must find a checkpoint
+    dist.all_gather_object(found, bool(ckpt_path) and (os.path.exists(ckpt_path) or os.path.exists(ckpt_path + ".pt")))
+    if len(set(found)) > 1:
+        fail("some ranks found a checkpoint and some did not: all must read one checkpoint, in a shared --ckpt-dir")
+    if found[0]:
         step = load_checkpoint(ckpt_path, model, optimizer, scheduler, config, device, order)
         log.info(f"resumed from {ckpt_path} at step {step}")
     steps = [None] * world_size
@@ -621,8 +697,8 @@ def main(args):
     # backwards; 1F1B one backward after each forward once the pipeline is full, to hold fewer micro-batches'
     # activations. The shapes are split_model's examples: every pass must have them (see evaluate).
     # torch 2.13 changed the order of the arguments after device: by keyword, the same line runs on earlier versions.
-    stage, eval_stage = [PipelineStage(stage_module, rank, world_size, device, input_args=stage_inputs.to(device),
-                                       output_args=stage_outputs.to(device)) for _ in range(2)]
+    stage, eval_stage = [PipelineStage(stage_module, rank, world_size, device, input_args=stage_inputs,
+                                       output_args=stage_outputs) for _ in range(2)]
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
     schedule = schedule_class(stage, n_microbatches=args.grad_accum, loss_fn=loss_fn)
     # Evaluation has a stage and a schedule of its own, forward only (no loss_fn): on torch 2.10 and 2.11 a stage's
@@ -674,9 +750,14 @@ def main(args):
                 dist.all_reduce(finite, dist.ReduceOp.MIN)  # this stage's weights, then every stage's: all stop, or none
                 if not finite:
                     diverged(step, "the weights are no longer finite")
-                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, order, host_group)  # every stage
+                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, order)  # every rank writes its part
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
                 log.info(f"step {step:>5} | saved {ckpt_path}")
+    peaks = [None] * world_size
+    dist.all_gather_object(peaks, peak_memory(device))  # every process's own, for rank 0 to log; a collective
+    if peaks[0] is not None:
+        log.info(f"peak memory per process: {', '.join(f'{peak / 2**30:.2f}' for peak in peaks)} GiB "
+                 f"({'allocated on the GPU' if device.type == 'cuda' else 'resident, torch included'})")
 
 
 if __name__ == "__main__":

@@ -99,6 +99,12 @@ DELETIONS = [
     ("fsdp.py", "if args.precision == \"bf16\" and torch.cuda.get_device_capability(device) < (8, 0):", "if False:",
      "tests/test_amp.py::test_bf16_on_a_gpu_without_it_names_another_precision"),
     ("fsdp.py", "block.compile()", None, f"{FSDP}::test_compiled_blocks_train_like_eager"),
+    ("fsdp.py", "init_weights(model, args.seed)", None, TRAINING),
+    ("fsdp.py", "block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)", None,
+     "tests/test_memory.py::test_activation_checkpointing_trains_alike_in_less_memory"),
+    ("pipeline.py", "init_weights(model, args.seed)", None, TRAINING),
+    ("pipeline.py", "block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)", None,
+     "tests/test_memory.py::test_activation_checkpointing_trains_alike_in_less_memory"),
     ("pipeline.py", "dist.broadcast(loss, src=world_size - 1)", None,
      f"{PIPELINE}::test_each_schedule_trains_like_single_gpu"),
     ("pipeline.py", "dist.broadcast(totals, src=last)", None,
@@ -108,8 +114,7 @@ DELETIONS = [
      f"{PIPELINE}::test_each_schedule_trains_like_single_gpu"),
     ("pipeline.py", "inputs, targets = (torch.cat([t, t[:1].expand(missing, *t.shape[1:])]) for t in (inputs, targets))",
      None, f"{PIPELINE}::test_validation_is_exact_with_a_short_last_batch"),
-    ("pipeline.py", "model.eval()  # BatchNorm", None, "tests/test_your_model.py::test_a_batch_norm_classifier_trains"),
-    ("pipeline.py", "edges[1:] = [edge.requires_grad_() for edge in edges[1:]]", None,
+    ("pipeline.py", "activations[1:] = [x.requires_grad_() for x in activations[1:]]", None,
      f"{PIPELINE}::test_each_schedule_trains_like_single_gpu"),
     # The copies: a line deleted from them changes their diff against single_gpu.py or ddp_torchrun.py, whose
     # sizes tests/test_structure.py knows exactly; their behaviour is tested on the scripts above.

@@ -199,13 +199,14 @@ def scalars(log_dir):
 
 
 def checkpoint_name(script):
-    """What a script keeps in its --ckpt-dir: fsdp.py a link to a directory of shards, the others one file."""
-    return "checkpoint" if script == "fsdp.py" else "checkpoint.pt"
+    """What a script keeps in its --ckpt-dir: fsdp.py and pipeline.py a link to a directory of DCP files, the others
+    one file."""
+    return "checkpoint" if script in ("fsdp.py", "pipeline.py") else "checkpoint.pt"
 
 
 def load(ckpt_dir):
-    """The checkpoint in ckpt_dir as one state dict: checkpoint.pt, or fsdp.py's shards in checkpoint/, converted
-    by the command the README gives."""
+    """The checkpoint in ckpt_dir as one state dict: checkpoint.pt, or fsdp.py's or pipeline.py's DCP directory
+    checkpoint/, converted by the command the README gives."""
     shards, whole = Path(ckpt_dir) / "checkpoint", Path(ckpt_dir) / "checkpoint.pt"
     assert not (shards.exists() and whole.exists()), f"{ckpt_dir} holds two checkpoints"
     if shards.exists():

@@ -4,6 +4,7 @@ split four blocks, a killed stage restarts, compiled stages train like eager one
 refused. The parametrized tests (training, resume, bad input, profile, bring your own model) run it too."""
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -25,14 +26,27 @@ def same_as_single_gpu(trained, ckpt_dir, log_dir):
     return weights, max(abs(expected[step] - got[step]) for step in expected)
 
 
+def numbered(optimizer_state):
+    """An optimizer state dict keyed as a plain optimizer keys it, by number in the order of its groups: a DCP
+    checkpoint's, converted, keys it by parameter name in that order (and holds its tuples as lists)."""
+    numbers = {key: number for number, key in
+               enumerate(key for group in optimizer_state["param_groups"] for key in group["params"])}
+    groups = [{**{key: list(value) if isinstance(value, tuple) else value for key, value in group.items()},
+               "params": [numbers[key] for key in group["params"]]} for group in optimizer_state["param_groups"]]
+    return {"state": {numbers[key]: state for key, state in optimizer_state["state"].items()}, "param_groups": groups}
+
+
 def same_optimizer_state(got, expected):
     """AdamW's state numbered alike, parameter by parameter: the same step, moments within rounding."""
+    got, expected = numbered(got), numbered(expected)
     assert got["param_groups"] == expected["param_groups"]
     assert got["state"].keys() == expected["state"].keys()
     for number, state in expected["state"].items():
         assert torch.equal(got["state"][number]["step"], state["step"]), number
         for key in "exp_avg", "exp_avg_sq":
-            assert torch.allclose(got["state"][number][key], state[key], rtol=1e-4, atol=1e-9), (number, key)
+            # Rounding apart (the scripts add a gradient's terms in other orders: 1.5e-7 seen), as a moment
+            # given to another parameter would not be (their values are 1e-5 to 1e-2).
+            assert torch.allclose(got["state"][number][key], state[key], rtol=1e-4, atol=1e-6), (number, key)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -52,23 +66,31 @@ def test_each_schedule_trains_like_single_gpu(trained, schedule, tmp_path):
     assert weights <= PARAM_ATOL and losses <= LOSS_ATOL
 
 
-def test_four_stages_hold_a_block_each(tmp_path):
-    """Four processes on four blocks: the embeddings ride with block 0, the norm and head with block 3. Plain
-    `python pipeline.py`, a world of one, holds everything. Both end at the same weights within PARAM_ATOL, and
-    their optimizer states are numbered alike (each of the four stages' own numbers from 0 would not be)."""
-    flags = [*TINY, "--n-layers", 4, "--grad-accum", 4, "--max-steps", 8, "--ckpt-every", 8]
-    four = run("pipeline.py", *flags, "--ckpt-dir", tmp_path / "four", "--log-dir", tmp_path / "tb4", nproc=4,
-               timeout=300)
-    assert four.returncode == 0, four.output
+@pytest.mark.parametrize("before, after", [(4, 2), (2, 4)])
+def test_a_checkpoint_resumes_on_another_number_of_stages(before, after, tmp_path):
+    """Four blocks on four processes: the embeddings ride with block 0, the norm and head with block 3. Half the
+    run on `before` stages, the rest on `after`: each stage writes its own tensors under the whole model's names,
+    and reads its own back however the checkpoint was split. The run ends on the weights and AdamW state of plain
+    `python pipeline.py`, a world of one that holds everything, within PARAM_ATOL."""
+    flags = [*TINY, "--n-layers", 4, "--grad-accum", 4, "--lr-decay-steps", 8, "--ckpt-every", 4]
+    outputs = []
+    for nproc, steps in [(before, 4), (after, 8)]:
+        result = run("pipeline.py", *flags, "--max-steps", steps, "--ckpt-dir", tmp_path / "split",
+                     "--log-dir", tmp_path / f"tb{nproc}", nproc=nproc, timeout=300)
+        assert result.returncode == 0, result.output
+        outputs.append(result.output)
+    four = outputs[0] if before == 4 else outputs[1]
     for line in ["stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n", "stage 1 (rank 1): blocks.1\n",
                  "stage 2 (rank 2): blocks.2\n", "stage 3 (rank 3): blocks.3, norm, head\n", "= 3/7 = 43% of a step"]:
-        assert line in four.output, four.output
-    one = run_command([sys.executable, ROOT / "pipeline.py"] + [str(a) for a in flags] + ["--ckpt-dir", tmp_path / "one",
-                                                                                          "--log-dir", tmp_path / "tb1"])
+        assert line in four, four
+    assert f"resumed from {tmp_path / 'split' / 'checkpoint'} at step 4" in outputs[1], outputs[1]
+    one = run_command([sys.executable, ROOT / "pipeline.py"] + [str(a) for a in flags] +
+                      ["--max-steps", "8", "--ckpt-dir", tmp_path / "one", "--log-dir", tmp_path / "tb1"])
     assert one.returncode == 0, one.output
     assert "stage 0 (rank 0): tok_emb, pos_emb, blocks.0, blocks.1, blocks.2, blocks.3, norm, head\n" in one.output
-    assert max_param_diff(load(tmp_path / "four")["model"], load(tmp_path / "one")["model"]) <= PARAM_ATOL
-    same_optimizer_state(load(tmp_path / "four")["optimizer"], load(tmp_path / "one")["optimizer"])
+    got, expected = load(tmp_path / "split"), load(tmp_path / "one")
+    assert max_param_diff(got["model"], expected["model"]) <= PARAM_ATOL
+    same_optimizer_state(got["optimizer"], expected["optimizer"])
 
 
 def test_three_blocks_on_two_stages_leave_the_last_the_lighter(tmp_path):
@@ -97,33 +119,40 @@ def test_validation_is_exact_with_a_short_last_batch(tmp_path):
 
 @pytest.mark.parametrize("first, second", [("single_gpu.py", "pipeline.py"), ("pipeline.py", "single_gpu.py")])
 def test_checkpoints_move_to_and_from_single_gpu(trained, first, second, tmp_path):
-    """Half a run in one script, the rest in the other: the same weights and AdamW moments as single_gpu.py
-    alone. The optimizer state is numbered as single_gpu.py numbers it, so a wrong merge of the stages'
-    states would put one parameter's moments on another (or fail on their shapes)."""
+    """Half a run in one script, the rest in the other: single_gpu.py's checkpoint.pt is read by every stage
+    directly, pipeline.py's DCP directory turns into a checkpoint.pt by the README's one command. Either way the
+    same weights and AdamW moments as single_gpu.py alone: a stage that took another's moments would part from it
+    (or fail on their shapes)."""
     ckpt_dir = tmp_path / "ckpt"
     for script, steps in [(first, STEPS // 2), (second, STEPS)]:
+        if script == "single_gpu.py" and first == "pipeline.py":
+            subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
+                            ckpt_dir / "checkpoint", ckpt_dir / "checkpoint.pt"], check=True)
+            shutil.rmtree(ckpt_dir / "checkpoint-000008")
+            (ckpt_dir / "checkpoint").unlink()
         result = run(script, *TINY, "--max-steps", steps, "--lr-decay-steps", STEPS, "--ckpt-dir", ckpt_dir,
                      "--log-dir", tmp_path / script)
         assert result.returncode == 0, result.output
-    assert f"resumed from {ckpt_dir / 'checkpoint.pt'} at step {STEPS // 2}" in result.output, result.output
+    if second == "pipeline.py":
+        assert f"reading {ckpt_dir / 'checkpoint'}.pt, the checkpoint of another script" in result.output, result.output
+        (ckpt_dir / "checkpoint.pt").unlink()  # the one that pipeline.py resumed from; its own is the later
+    assert f"at step {STEPS // 2}" in result.output, result.output
     got, expected = load(ckpt_dir), load(trained["single_gpu.py"].ckpt_dir)
     assert max_param_diff(got["model"], expected["model"]) <= PARAM_ATOL
     same_optimizer_state(got["optimizer"], expected["optimizer"])
 
 
-def test_a_converted_fsdp_checkpoint_resumes_with_its_moments(trained, tmp_path):
-    """fsdp.py's shards, converted by the README's command, key AdamW's state by parameter name, not number:
-    matched by position, the moments arrive, and the run ends on single_gpu.py's weights and state."""
-    result = run("fsdp.py", *TINY, "--max-steps", STEPS // 2, "--lr-decay-steps", STEPS, "--ckpt-dir", tmp_path / "fsdp",
-                 "--log-dir", tmp_path / "tb")
-    assert result.returncode == 0, result.output
-    (tmp_path / "ckpt").mkdir()
-    subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
-                    tmp_path / "fsdp" / "checkpoint", tmp_path / "ckpt" / "checkpoint.pt"], check=True)
-    assert isinstance(next(iter(load(tmp_path / "ckpt")["optimizer"]["state"])), str)
-    result = run("pipeline.py", *TINY, "--max-steps", STEPS, "--ckpt-dir", tmp_path / "ckpt", "--log-dir", tmp_path / "tb")
-    assert result.returncode == 0, result.output
-    got, expected = load(tmp_path / "ckpt"), load(trained["single_gpu.py"].ckpt_dir)
+def test_fsdp_and_pipeline_resume_each_others_checkpoints(trained, tmp_path):
+    """The same DCP layout, the tensors under the whole model's names: fsdp.py's shards resume on pipeline.py's
+    stages and back, with no conversion, and the run ends on single_gpu.py's weights and AdamW moments."""
+    ckpt_dir = tmp_path / "ckpt"
+    for script, steps in [("fsdp.py", 6), ("pipeline.py", 12), ("fsdp.py", STEPS)]:
+        result = run(script, *TINY, "--max-steps", steps, "--lr-decay-steps", STEPS, "--ckpt-dir", ckpt_dir,
+                     "--log-dir", tmp_path / f"{script}-{steps}")
+        assert result.returncode == 0, result.output
+        if steps > 6:
+            assert f"resumed from {ckpt_dir / 'checkpoint'} at step {6 if steps == 12 else 12}" in result.output
+    got, expected = load(ckpt_dir), load(trained["single_gpu.py"].ckpt_dir)
     assert max_param_diff(got["model"], expected["model"]) <= PARAM_ATOL
     same_optimizer_state(got["optimizer"], expected["optimizer"])
 
@@ -151,7 +180,7 @@ def test_killed_stage_restarts_and_resumes_exactly(tmp_path):
     reference = run("pipeline.py", *flags(tmp_path / "reference"))
     assert reference.returncode == 0, reference.output
     out = tmp_path / "killed"
-    killed = kill_a_worker([str(LAUNCHER), "pipeline.py", *map(str, flags(out))], out / "ckpt" / "checkpoint.pt",
+    killed = kill_a_worker([str(LAUNCHER), "pipeline.py", *map(str, flags(out))], out / "ckpt" / "checkpoint",
                            env={"MAX_RESTARTS": "2"})
     assert killed.run.returncode == 0, killed.run.output
     assert "failed (exitcode: -9) local_rank: 1" in killed.run.output, killed.run.output

@@ -78,7 +78,7 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, script, tmp_pa
 
     second = run(script, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb2")
     assert second.returncode == 0, second.output
-    assert f"resumed from {ckpt_dir / 'checkpoint.pt'} at step {half}" in second.output
+    assert f"resumed from {ckpt_dir / checkpoint_name(script)} at step {half}" in second.output
 
     resumed, uninterrupted = load(ckpt_dir), load(trained[script].ckpt_dir)
     assert resumed["step"] == STEPS
@@ -144,13 +144,13 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
     CPU, the other way round). Fused AdamW runs on CPUs too, so both directions are checked here."""
     module = import_script(script)
     sharded = script == "fsdp.py"
-    if script in ("fsdp.py", "pipeline.py"):  # their functions need a process group: a world of one, in this process
+    sharded_or_staged = script in ("fsdp.py", "pipeline.py")
+    if sharded_or_staged:  # their functions need a process group: a world of one, in this process
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         request.addfinalizer(dist.destroy_process_group)
-    # pipeline.py's functions also take the order of the whole model's parameters (in a world of one, this stage's),
-    # and saving the group to gather over (None: the default group).
-    order = (lambda model, optimizer: [module.stage_names(model, optimizer)]) if script == "pipeline.py" else lambda *_: []
-    group = [None] if script == "pipeline.py" else []
+    # fsdp.py's and pipeline.py's functions also take the names of the whole model's parameters (in a world of one,
+    # this process's).
+    order = (lambda model, optimizer: [module.param_names(model, optimizer)]) if sharded_or_staged else lambda *_: []
     flags = argparse.Namespace(seq_len=4, d_model=8, n_layers=1, n_heads=2)
     tokens = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(0))
 
@@ -158,7 +158,8 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
         torch.manual_seed(0)
         model, config = module.build_model(flags, {"vocab_size": 16})
         if sharded:
-            module.shard_model(model, argparse.Namespace(precision="fp32", compile=False), torch.device("cpu"))
+            fsdp_flags = argparse.Namespace(precision="fp32", compile=False, activation_checkpointing=False)
+            module.shard_model(model, fsdp_flags, torch.device("cpu"))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
         return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), config
 
@@ -171,7 +172,7 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
     *saved, config = build(fused=saved_fused)
     train_one_step(*saved)
     path = str(tmp_path / checkpoint_name(script))
-    module.save_checkpoint(path, *saved, 1, config, *order(*saved[:2]), *group)
+    module.save_checkpoint(path, *saved, 1, config, *order(*saved[:2]))
 
     model, optimizer, scheduler, config = build(fused=not saved_fused)
     cpu = torch.device("cpu")
