@@ -486,6 +486,12 @@ def param_names(model, optimizer):
     return [[names[param] for param in group["params"]] for group in optimizer.param_groups]
 
 
+def one_line(error):
+    """The first line of what went wrong: of the first failing rank's error, where DCP gathers every rank's into one."""
+    error = next(iter(error.failures.values()))[0] if isinstance(error, dcp.CheckpointException) else error
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
+
+
 def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
     """Every rank writes what it holds (fsdp.py: its shards of every tensor; pipeline.py: its stage's tensors) under
     the whole model's names, in parallel, into a new directory; then rank 0 points the link `path` at it and removes
@@ -505,9 +511,7 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
     try:  # a file per rank, then .metadata: nothing is gathered
         dcp.save(state, checkpoint_id=os.path.join(directory, new))
     except (Exception, dcp.CheckpointException) as e:  # every rank gets every rank's errors, and stops
-        e = next(iter(e.failures.values()))[0] if isinstance(e, dcp.CheckpointException) else e
-        fail(f"cannot write checkpoint {os.path.join(directory, new)}: "
-             f"{(str(e).strip() or type(e).__name__).splitlines()[0]}")
+        fail(f"cannot write checkpoint {os.path.join(directory, new)}: {one_line(e)}")
     if dist.get_rank() == 0:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path + ".tmp")
@@ -527,9 +531,7 @@ def read_checkpoint(path, state):
         dcp.load(state, checkpoint_id=path)  # each rank reads the parts of the files that its tensors need
         return state
     except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's errors as one BaseException
-        e = next(iter(e.failures.values()))[0] if isinstance(e, dcp.CheckpointException) else e
-        fail(f"cannot read checkpoint {path + '.pt' if state is None else path}: "
-             f"{(str(e).strip() or type(e).__name__).splitlines()[0]}")
+        fail(f"cannot read checkpoint {path + '.pt' if state is None else path}: {one_line(e)}")
 
 
 def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
