@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -336,6 +337,31 @@ def peak_memory(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
 
 
+def catch_stop_signals():
+    """From here on SIGTERM and SIGUSR1 do not end this process: each is noted in the list returned, and the training
+    loop saves a checkpoint at the next step and stops. Schedulers send SIGTERM before they take a machine back (SLURM
+    at the time limit or on preemption, Kubernetes, spot instances), torchrun passes it on to its workers, and SLURM
+    sends SIGUSR1 ahead of the time limit when asked to (launch_distributed.sh asks)."""
+    received = []
+    for name in "SIGTERM", "SIGUSR1":
+        if hasattr(signal, name):  # Windows has no SIGUSR1
+            signal.signal(getattr(signal, name), lambda signum, frame: received.append(signum))
+    return received
+
+
+def stop_requested(received):
+    """The stop signal this process has received (its number), or 0 if none."""
+    return received[0] if received else 0
+
+
+def stopped(signum, step, ckpt_path):
+    """End a run that a stop signal ended, saying where it resumes. Exit status 75 (EX_TEMPFAIL in sysexits.h): not
+    a failure, a job to run again."""
+    log.info(f"step {step:>5} | stopped by {signal.Signals(signum).name}: " +
+             (f"run again to resume from {ckpt_path}" if ckpt_path else "nothing was saved (no --ckpt-dir)"))
+    sys.exit(75)
+
+
 # -- training step ------------------------------------------------------------
 
 
@@ -379,6 +405,24 @@ def diverged(step, what):
     """Stop a run whose numbers have blown up, before it can write them over the last good checkpoint."""
     fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr, or clipping "
          f"with a lower --grad-clip")
+
+
+def out_of_memory(step, micro_batch, args, device):
+    """Stop a run that ran out of memory in a training step, saying what to change. Nothing changes by itself: a
+    smaller batch would train differently, without a word to the user."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:  # the machine's memory
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else math.nan
+    peak = peak_memory(device) or math.nan  # None on Windows
+    factor = min((f for f in range(2, micro_batch + 1) if micro_batch % f == 0), default=None)  # 2 if it is even
+    if factor:
+        advice = (f"--grad-accum {args.grad_accum * factor} trains the same, {args.batch_size} samples a step, on "
+                  f"micro-batches of {micro_batch // factor}")
+    else:
+        advice = "one sample is the smallest micro-batch: the model must take less memory"
+    fail(f"out of memory in step {step + 1}, on micro-batches of {micro_batch} samples per process, at a peak of "
+         f"{peak / 2**30:.2f} of {total / 2**30:.1f} GiB on {device}: {advice}")
 
 
 # -- evaluation ---------------------------------------------------------------
@@ -496,6 +540,7 @@ def main(args):
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     micro_batches = None
+    received = catch_stop_signals()  # a stop signal from here on saves a checkpoint first
     with SummaryWriter(args.log_dir) as writer, profiler:  # closed, and so flushed, on every exit path
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
@@ -509,7 +554,10 @@ def main(args):
                 sampler.generator.manual_seed(args.seed + step // steps_per_epoch)  # a new order each epoch
                 # A resumed run skips what its epoch has already trained on: the data order stays the same.
                 micro_batches = itertools.islice(train_loader, step % steps_per_epoch * args.grad_accum, None)
-            loss = train_step(dp_model, optimizer, scheduler, micro_batches, args, device)
+            try:
+                loss = train_step(dp_model, optimizer, scheduler, micro_batches, args, device)
+            except torch.cuda.OutOfMemoryError:  # a GPU's; on a CPU the OS ends a process that runs out
+                out_of_memory(step, per_process_batch_size, args, device)
             step += 1
             if args.profile:
                 profiler.step()
@@ -533,11 +581,14 @@ def main(args):
                 for name, value in metrics.items():
                     writer.add_scalar(name, value, step)
                 last_step, last_time = step, now
-            if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
+            stop = stop_requested(received) if step < args.max_steps else 0  # at the last step: finish
+            if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
                 if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device
                     diverged(step, "the weights are no longer finite")
                 save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)
                 log.info(f"step {step:>5} | saved {ckpt_path}")
+            if stop:
+                stopped(stop, step, ckpt_path)
     peaks = [peak_memory(device)]  # this process's; the DDP scripts gather every process's
     if peaks[0] is not None:
         log.info(f"peak memory per process: {', '.join(f'{peak / 2**30:.2f}' for peak in peaks)} GiB "

@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -356,6 +357,35 @@ def peak_memory(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
 
 
+def catch_stop_signals():
+    """From here on SIGTERM and SIGUSR1 do not end this process: each is noted in the list returned, and the training
+    loop saves a checkpoint at the next step and stops. Schedulers send SIGTERM before they take a machine back (SLURM
+    at the time limit or on preemption, Kubernetes, spot instances), torchrun passes it on to its workers, and SLURM
+    sends SIGUSR1 ahead of the time limit when asked to (launch_distributed.sh asks)."""
+    received = []
+    for name in "SIGTERM", "SIGUSR1":
+        if hasattr(signal, name):  # Windows has no SIGUSR1
+            signal.signal(getattr(signal, name), lambda signum, frame: received.append(signum))
+    return received
+
+
+def stop_requested(received, group):
+    """The stop signal that any rank has received (the largest number), or 0 if none. Every rank asks after the same
+    step and gets the same answer, so all stop at one step, though a signal reaches them at different moments, or
+    reaches only some. A one-number all-reduce through gloo, on the CPU: the GPU never waits for it."""
+    signum = torch.tensor(received[0] if received else 0)
+    dist.all_reduce(signum, dist.ReduceOp.MAX, group=group)
+    return signum.item()
+
+
+def stopped(signum, step, ckpt_path):
+    """End a run that a stop signal ended, saying where it resumes. Exit status 75 (EX_TEMPFAIL in sysexits.h): not
+    a failure, a job to run again."""
+    log.info(f"step {step:>5} | stopped by {signal.Signals(signum).name}: " +
+             (f"run again to resume from {ckpt_path}" if ckpt_path else "nothing was saved (no --ckpt-dir)"))
+    sys.exit(75)
+
+
 # -- training step ------------------------------------------------------------
 
 
@@ -401,6 +431,24 @@ def diverged(step, what):
     """Stop a run whose numbers have blown up, before it can write them over the last good checkpoint."""
     fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr, or clipping "
          f"with a lower --grad-clip")
+
+
+def out_of_memory(step, micro_batch, args, device):
+    """Stop a run that ran out of memory in a training step, saying what to change. Nothing changes by itself: a
+    smaller batch would train differently, without a word to the user."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:  # the machine's memory
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else math.nan
+    peak = peak_memory(device) or math.nan  # None on Windows
+    factor = min((f for f in range(2, micro_batch + 1) if micro_batch % f == 0), default=None)  # 2 if it is even
+    if factor:
+        advice = (f"--grad-accum {args.grad_accum * factor} trains the same, {args.batch_size} samples a step, on "
+                  f"micro-batches of {micro_batch // factor}")
+    else:
+        advice = "one sample is the smallest micro-batch: the model must take less memory"
+    fail(f"out of memory in step {step + 1}, on micro-batches of {micro_batch} samples per process, at a peak of "
+         f"{peak / 2**30:.2f} of {total / 2**30:.1f} GiB on {device}: {advice}")
 
 
 # -- evaluation ---------------------------------------------------------------
@@ -528,6 +576,9 @@ def main(args):
     # each bucket of them while the rest of backward runs (compiled too: torch splits the graph at the buckets).
     # Evaluation and checkpoints use the bare model: no "module." prefix in the keys.
     ddp_model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)  # grads reuse bucket memory
+    received = catch_stop_signals()  # a stop signal from here on saves a checkpoint first
+    # stop_requested's group, on the CPU: beside NCCL's on GPUs. Its timeout is not the default group's unless given.
+    stop_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))
     # Rank 0 alone opens a TensorBoard writer; the other ranks enter an empty context, where writer is None.
     with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
         while True:
@@ -543,7 +594,10 @@ def main(args):
                 sampler.set_epoch(step // steps_per_epoch)  # a new order each epoch, the same on every rank
                 # A resumed run skips what its epoch has already trained on: the data order stays the same.
                 micro_batches = itertools.islice(train_loader, step % steps_per_epoch * args.grad_accum, None)
-            loss = train_step(ddp_model, optimizer, scheduler, micro_batches, args, device)
+            try:
+                loss = train_step(ddp_model, optimizer, scheduler, micro_batches, args, device)
+            except torch.cuda.OutOfMemoryError:  # a GPU's; on a CPU the OS ends a process that runs out
+                out_of_memory(step, per_process_batch_size, args, device)
             step += 1
             if args.profile:
                 profiler.step()
@@ -570,13 +624,16 @@ def main(args):
                     for name, value in metrics.items():
                         writer.add_scalar(name, value, step)
                 last_step, last_time = step, now
-            if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps):
+            stop = stop_requested(received, stop_group) if step < args.max_steps else 0  # at the last step: finish
+            if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
                 if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device
                     diverged(step, "the weights are no longer finite")
                 if is_main_process:
                     save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
                 log.info(f"step {step:>5} | saved {ckpt_path}")
+            if stop:
+                stopped(stop, step, ckpt_path)
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory(device))  # every process's own, for rank 0 to log; a collective
     if peaks[0] is not None:
