@@ -3,9 +3,15 @@
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 # The lines above are sbatch's directives: one task per node, which runs one torchrun, which starts
 # that node's workers. Ask for GPUs and CPUs on sbatch's command line, where clusters differ:
 # --gpus-per-node=8 --cpus-per-task=64 (the task's CPUs are shared by all workers of its node).
+# 120 s before the time limit SLURM sends this script SIGUSR1: the workers save a checkpoint and stop,
+# and the job goes back in the queue (--requeue), to resume from it; its log goes on in the same file.
+# The 120 s must hold the step under way and a save: raise it for a larger model (README, "Launching").
 
 usage() {
     cat <<'EOF'
@@ -22,7 +28,8 @@ The mode comes from the environment:
   SLURM (SLURM_JOB_ID is set)
                       sbatch launch_distributed.sh ddp_torchrun.py, or inside salloc
                       = srun --ntasks-per-node=1 --cpus-per-task=<the job's> torchrun --rdzv-endpoint=<first host>:PORT
-                        --rdzv-id=$SLURM_JOB_ID ... (one torchrun per node)
+                        --rdzv-id=$SLURM_JOB_ID ... (one torchrun per node); stopped by SLURM (SIGUSR1
+                        before the time limit, SIGTERM), the workers save and the job requeues itself
 single_gpu.py and dataparallel.py (one process) and ddp_spawn.py (starts its own) run with python;
 every other script (ddp_torchrun.py, ddp_amp.py, fsdp.py, pipeline.py) with torchrun, in any mode.
 
@@ -248,7 +255,10 @@ fi
 run() {  # [exec] COMMAND...: print the command, copyable as it stands, and run it unless --dry-run
     local arg quoted=() replace=
     if [[ "$1" == exec ]]; then
-        replace="exec"  # the launcher becomes the command: signals (Ctrl-C, scancel) reach it directly
+        # The launcher becomes the command, so that signals (Ctrl-C, kill) reach it directly; in a SLURM job
+        # it stays, to requeue the job after a stop (in_job).
+        replace=exec
+        [[ "$mode" != slurm ]] || replace=in_job
         shift
     fi
     for arg in "$@"; do
@@ -260,6 +270,34 @@ run() {  # [exec] COMMAND...: print the command, copyable as it stands, and run 
         return 0
     fi
     $replace "$@"
+}
+
+in_job() {  # COMMAND...: run a SLURM job's training step; after a stop signal, requeue the job, then exit
+    # SLURM signals this script: SIGUSR1 ahead of the time limit (the #SBATCH --signal line), SIGTERM at the
+    # limit or on preemption (then also every process of the step, which has KillWait, 30 s by default, until
+    # SIGKILL). A SIGUSR1 goes on to the step as SIGTERM, which torchrun passes on to its workers (and gives them
+    # 30 s to exit) instead of dying of it. The workers save at the next step and exit; the job is requeued.
+    local stop= status=0 child
+    trap 'stop=SIGUSR1; scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1
+    trap 'stop=SIGTERM' TERM
+    trap : INT  # Ctrl-C is srun's (twice in a second ends the step): this script waits for it to end
+    "$@" &
+    child=$!
+    while :; do  # a trapped signal ends `wait` early: wait again, until the step has ended
+        wait "$child" && status=0 || status=$?
+        kill -0 "$child" 2>/dev/null || break
+    done
+    if [[ -n "$stop" ]] && ((status != 0)); then
+        if [[ " $* " == *" --ckpt-dir"* ]]; then
+            echo "launch_distributed.sh: stopped by $stop: job $SLURM_JOB_ID goes back in the queue and resumes" \
+                 "from its checkpoint" >&2
+            scontrol requeue "$SLURM_JOB_ID" || true  # SLURM ends this script now, and starts it again later
+        else
+            echo "launch_distributed.sh: stopped by $stop: job $SLURM_JOB_ID is not requeued: without --ckpt-dir" \
+                 "it would start again from step 0" >&2
+        fi
+    fi
+    exit "$status"
 }
 
 torchrun_on_each_node() {  # [exec] ARGS...: torchrun, under srun in SLURM mode: one torchrun per node
