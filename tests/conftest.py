@@ -42,6 +42,29 @@ TINY = [*TINY_BUILT_IN, "--data", str(ROOT / "tests" / "tiny.txt"), "--seed", "7
 # from a worker, "W1121 ..." from torchrun's agent).
 WARNING = re.compile(r"Warning|^\[?[WE]\d{4} ", re.MULTILINE)
 
+# Optimizer step STOP_AT waits, in every process, until the process has received a stop signal (noted by wrapping the
+# handler that the script installs), or the file GO exists (for ranks that no signal reaches): the signal then comes
+# during that step, whatever the machine's load.
+WAIT_FOR_SIGNAL = ("import os, pathlib, signal, threading, time\n"
+                   "import torch.optim\n"
+                   "received, install = threading.Event(), signal.signal\n"
+                   "def noting_install(signum, handler):\n"
+                   "    if callable(handler):\n"
+                   "        handler = lambda signum, frame, handler=handler: (received.set(), handler(signum, frame))\n"
+                   "    return install(signum, handler)\n"
+                   "signal.signal = noting_install\n"
+                   "step, calls = torch.optim.AdamW.step, []\n"
+                   "def waiting_step(self, *args, **kwargs):\n"
+                   "    calls.append(None)\n"
+                   "    if len(calls) == int(os.environ['STOP_AT']):\n"
+                   "        print(f'waiting in step {len(calls)}', flush=True)\n"
+                   "        deadline = time.monotonic() + 60\n"
+                   "        while not received.is_set() and not pathlib.Path(os.environ['GO']).exists():\n"
+                   "            assert time.monotonic() < deadline, 'no signal came'\n"
+                   "            time.sleep(0.01)\n"
+                   "    return step(self, *args, **kwargs)\n"
+                   "torch.optim.AdamW.step = waiting_step\n")
+
 
 @dataclass
 class Run:

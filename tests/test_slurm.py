@@ -3,6 +3,7 @@ two nodes, run `sbatch launch_distributed.sh ddp_torchrun.py`, and the job train
 on one node. Needs root and Debian's slurmctld, slurmd, slurm-client and munge; skips without them."""
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, free_ports, injected, load, max_param_diff
+from conftest import (LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WAIT_FOR_SIGNAL, free_ports, injected, load,
+                      max_param_diff)
 
 PROGRAMS = ["mungekey", "munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel"]
 # Nodes named by loopback addresses: the launcher makes the allocation's first node name the rendezvous
@@ -82,6 +84,7 @@ def slurm():
                                for name, port in zip(NODES, node_ports))
         # proctrack/linuxproc: no cgroups, which containers often lack. task/affinity binds a job's tasks to
         # the CPUs they were given (with sched_setaffinity), as clusters do. %n: the node's name.
+        # cred_expire=5: a requeued job may start again 5 s after it stopped, not the default 120 s.
         # MinJobAge=5 makes sbatch --wait check on the job every 2 s; with the default, 300, it checks at 2, 10
         # and 42 s, so a job done in 11 s would return at 42 s.
         (tmp / "slurm.conf").write_text(f"""\
@@ -91,7 +94,7 @@ SlurmctldPort={controller_port}
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={tmp}/munge.socket
+AuthInfo=socket={tmp}/munge.socket,cred_expire=5
 StateSaveLocation={tmp}/state
 SlurmctldPidFile={tmp}/slurmctld.pid
 SlurmctldLogFile={tmp}/slurmctld.log
@@ -195,3 +198,42 @@ def test_sbatch_trains_on_two_nodes_like_torchrun_on_one(slurm, trained, tmp_pat
     print(f"\nSLURM job {job_id} on nodes {', '.join(NODES)}: {seconds:.1f} s; largest parameter difference from "
           f"one-node torchrun: {diff:.3g}")
     assert diff <= PARAM_ATOL
+
+
+def test_usr1_before_the_time_limit_checkpoints_and_requeues(slurm, trained, tmp_path):
+    """What the launcher's #SBATCH --signal=B:USR1@120 does before the time limit, sent now by scancel: the workers
+    save at one step and stop, the job requeues itself, and its second start resumes and ends on the weights of an
+    uninterrupted run."""
+    stop_at = random.randint(2, STEPS - 1)
+    env = dict(slurm, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{slurm['PATH']}",
+               NPROC_PER_NODE="1", MASTER_PORT=str(free_ports(1)[0]), STOP_AT=str(stop_at), GO=str(tmp_path / "go"),
+               **injected(tmp_path, WAIT_FOR_SIGNAL))
+    job_output, name = tmp_path / "job.out", f"{JOB_NAME}_requeue"
+    argv = ["sbatch", "--wait", f"--job-name={name}", f"--output={job_output}", f"--chdir={tmp_path}",
+            f"--cpus-per-task={CPUS}", str(LAUNCHER), str(ROOT / "ddp_torchrun.py"), *TINY, "--max-steps", str(STEPS),
+            "--ckpt-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "tb")]
+
+    def output():
+        return job_output.read_text() if job_output.exists() else ""
+
+    sbatch = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_until(lambda: f"waiting in step {stop_at}" in output(), JOB_TIMEOUT), output()
+        subprocess.run(["scancel", "--batch", "--signal=USR1", f"--name={name}"], env=env, check=True, timeout=30)
+        assert wait_until(lambda: "stopped by" in output(), 60), output()
+        (tmp_path / "go").touch()  # the requeued job's step STOP_AT goes on without waiting
+        returncode = sbatch.wait(timeout=JOB_TIMEOUT)
+    finally:
+        if sbatch.poll() is None:  # killing sbatch leaves the job running: cancel it
+            sbatch.kill()
+            subprocess.run(["scancel", f"--name={name}"], env=env, timeout=30)
+    assert returncode == 0, f"{sbatch.stdout.read()}\n{output()}"
+    log = output()  # both starts of the job, one after the other (#SBATCH --open-mode=append)
+    assert f"step {stop_at:>5} | stopped by SIGTERM: run again to resume from" in log, log
+    assert "launch_distributed.sh: stopped by SIGUSR1: job" in log and "goes back in the queue" in log, log
+    assert f"resumed from {tmp_path / 'ckpt' / 'checkpoint.pt'} at step {stop_at}" in log, log
+    got, expected = load(tmp_path / "ckpt"), load(trained["ddp_torchrun.py"].ckpt_dir)
+    assert got["step"] == STEPS
+    diff = max_param_diff(got["model"], expected["model"])
+    print(f"\nSIGUSR1 in step {stop_at}: requeued, resumed; largest parameter difference from one-node torchrun: {diff:.3g}")
+    assert diff == 0

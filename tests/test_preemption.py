@@ -1,0 +1,147 @@
+"""A job told to stop: SIGTERM through the launcher, or to one worker alone, at a random step, makes every rank save a
+checkpoint at one step and exit as stopped, and the run started again ends on an uninterrupted run's weights, bit for
+bit. Out of memory in a training step stops the run with one line that says what to change."""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+import torch
+
+from conftest import (LAUNCHER, ROOT, STEPS, TINY, WAIT_FOR_SIGNAL, environment, import_script, injected, kill_all,
+                      launch, load, run, tagged_processes)
+
+STOPPED = 75  # a stopped process's exit status (EX_TEMPFAIL): saved, to be run again
+
+
+def flags(ckpt_dir, log_dir):
+    return [*TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", log_dir]
+
+
+def stop_at_random_step(script, target, tmp_path):
+    """Launch `script`, and send SIGTERM to `target` ("launcher", or "worker": local rank 1 alone) during a random
+    step; return the exit status, the output and that step."""
+    stop_at = random.randint(2, STEPS - 1)
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    env = environment({**injected(tmp_path, WAIT_FOR_SIGNAL), "LAUNCH_TEST_TAG": tag, "NPROC_PER_NODE": "2",
+                       "MAX_RESTARTS": "0",  # a worker that stops is not restarted: the job ends as stopped
+                       "STOP_AT": str(stop_at), "GO": str(tmp_path / "go")})
+    argv = [str(LAUNCHER), script, *map(str, flags(tmp_path / "ckpt", tmp_path / "tb"))]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while f"waiting in step {stop_at}" not in log.read():
+                assert proc.poll() is None and time.monotonic() < deadline, "never reached the step"
+                log.seek(0)
+                time.sleep(0.02)
+            if target == "launcher":
+                pid = proc.pid  # torchrun, or python: the launcher execs it
+            else:
+                pid, = [pid for pid, e in tagged_processes(tag).items() if e.get("LOCAL_RANK") == "1"]
+            os.kill(pid, signal.SIGTERM)
+            if target == "worker":
+                (tmp_path / "go").touch()  # the other rank goes on without a signal
+            returncode = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                kill_all(proc, tag)
+                proc.wait()
+        log.seek(0)
+        return returncode, log.read(), stop_at
+
+
+@pytest.mark.parametrize("script, target", [("ddp_torchrun.py", "launcher"), ("ddp_torchrun.py", "worker"),
+                                            ("fsdp.py", "launcher"), ("pipeline.py", "worker"),
+                                            ("ddp_spawn.py", "launcher"), ("single_gpu.py", "launcher")])
+def test_stop_signal_saves_and_the_rerun_ends_bit_for_bit(trained, script, target, tmp_path):
+    returncode, output, stop_at = stop_at_random_step(script, target, tmp_path)
+    stops = re.findall(r"^step +(\d+) \| stopped by SIGTERM: run again to resume from (.+)$", output, re.MULTILINE)
+    assert len(stops) == 1, output  # rank 0 says it once
+    step = int(stops[0][0])
+    print(f"\n{script}: SIGTERM to the {target} in step {stop_at}: stopped at step {step}, exit {returncode}")
+    assert step == stop_at, output
+    # Straight from python, the stop's own status; through torchrun, its report of the stop (torchrun exits 1).
+    if script in ("single_gpu.py", "ddp_spawn.py"):
+        assert returncode == STOPPED, output
+    else:
+        assert returncode == 1, output
+        assert (f"exitcode  : {STOPPED}" if target == "worker" else "Received 15 death signal") in output, output
+    assert load(tmp_path / "ckpt")["step"] == step  # saved by every rank at the step they agreed on
+
+    rerun = launch(script, *flags(tmp_path / "ckpt", tmp_path / "tb"), env={"NPROC_PER_NODE": "2"})
+    assert rerun.returncode == 0, rerun.output
+    assert f"resumed from {stops[0][1]} at step {step}" in rerun.output, rerun.output
+    got, expected = load(tmp_path / "ckpt")["model"], load(trained[script].ckpt_dir)["model"]
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def test_second_signal_while_saving_and_no_ckpt_dir(tmp_path):
+    """A signal at step 3 stops the run; a second one during the save does not tear the checkpoint. Without --ckpt-dir
+    the run says that nothing was saved."""
+    env = injected(tmp_path, "import os, signal, torch, torch.optim\n"
+                             "step, save, calls = torch.optim.AdamW.step, torch.save, []\n"
+                             "def signalled_step(self, *args, **kwargs):\n"
+                             "    calls.append(None)\n"
+                             "    if len(calls) == 3:\n"
+                             "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                             "    return step(self, *args, **kwargs)\n"
+                             "def signalled_save(*args, **kwargs):\n"
+                             "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+                             "    return save(*args, **kwargs)\n"
+                             "torch.optim.AdamW.step, torch.save = signalled_step, signalled_save\n")
+    result = run("single_gpu.py", *flags(tmp_path / "ckpt", tmp_path / "tb"), env=env)
+    assert result.returncode == STOPPED, result.output
+    assert result.output.strip().endswith(f"step     3 | stopped by SIGTERM: run again to resume from "
+                                          f"{tmp_path / 'ckpt' / 'checkpoint.pt'}"), result.output
+    saved = load(tmp_path / "ckpt")
+    assert saved["step"] == 3 and not os.path.exists(tmp_path / "ckpt" / "checkpoint.pt.tmp")
+
+    result = run("single_gpu.py", *TINY, "--max-steps", STEPS, "--log-dir", tmp_path / "tb", env=env)
+    assert result.returncode == STOPPED, result.output
+    assert result.output.strip().endswith("step     3 | stopped by SIGTERM: nothing was saved (no --ckpt-dir)")
+
+
+@pytest.mark.parametrize("script", ["single_gpu.py", "ddp_torchrun.py"])
+def test_out_of_memory_says_what_to_change(script, tmp_path):
+    """An OutOfMemoryError in step 10 (injected): one line per process with the micro-batch, the peak, the flag that
+    trains the same with less memory; a non-zero exit; the checkpoint of step 8 left as it was."""
+    env = injected(tmp_path, "import torch, torch.optim\n"
+                             "step, calls = torch.optim.AdamW.step, []\n"
+                             "def failing_step(self, *args, **kwargs):\n"
+                             "    calls.append(None)\n"
+                             "    if len(calls) == 10:\n"
+                             "        raise torch.OutOfMemoryError('CUDA out of memory (injected)')\n"
+                             "    return step(self, *args, **kwargs)\n"
+                             "torch.optim.AdamW.step = failing_step\n")
+    result = run(script, *flags(tmp_path / "ckpt", tmp_path / "tb"), env=env)
+    assert result.returncode != 0, result.output
+    nproc = 1 if script == "single_gpu.py" else 2
+    micro_batch = 8 // 2 // nproc  # TINY: --batch-size 8, --grad-accum 2
+    lines = re.findall(rf"^{script}: error: out of memory in step 10, on micro-batches of {micro_batch} samples per "
+                       rf"process, at a peak of (\d+\.\d\d) of (\d+\.\d) GiB on cpu: --grad-accum 4 trains the same, 8 "
+                       rf"samples a step, on micro-batches of {micro_batch // 2}$", result.output, re.MULTILINE)
+    assert len(lines) == nproc, result.output
+    assert all(0 < float(peak) < float(total) for peak, total in lines), lines
+    assert f'{script}", line' not in result.output, result.output  # no traceback from the script
+    assert load(tmp_path / "ckpt")["step"] == 8
+
+
+def test_out_of_memory_advice_when_the_micro_batch_cannot_halve():
+    module = import_script("fsdp.py")
+    advice = {}
+    for micro_batch in 9, 1:
+        args = type("Args", (), {"grad_accum": 2, "batch_size": 2 * micro_batch})
+        with pytest.raises(SystemExit) as exit:
+            module.out_of_memory(4, micro_batch, args, torch.device("cpu"))
+        advice[micro_batch] = str(exit.value).split(" GiB on cpu: ")[1]
+    assert advice[9] == ("--grad-accum 6 trains the same, 18 samples a step, on micro-batches of 3, or "
+                         "--activation-checkpointing")
+    assert advice[1] == ("one sample is the smallest micro-batch: the model must take less memory, or "
+                         "--activation-checkpointing")
