@@ -43,7 +43,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ def parse_args():
 def add_data_args(parser):
     parser.add_argument("--data", help="train a byte-level model on this text file (default: built-in data)")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per training sequence")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="processes that load batches beside each training process (default 0: this data is in memory)")
 
 
 def markov_sequences(seq_len, num_tokens=2**18, vocab_size=64, seed=1234):
@@ -184,6 +187,16 @@ def build_datasets(args):
     train_set, val_set = Subset(dataset, range(num_train)), Subset(dataset, range(num_train, len(dataset)))
     return train_set, val_set, {"vocab_size": vocab_size}
 
+
+
+def make_loader(dataset, batch_size, args, **options):
+    """A DataLoader of the dataset, as this data needs it. With --workers N, N processes fetch and prefetch batches
+    while the training process computes, and stay alive from one epoch to the next: for data that is decoded or
+    read from disk. The built-in data and --data are tensors in memory already, so the default is 0: the training
+    process fetches each batch itself, and nothing is copied between processes."""
+    if args.workers < 0:
+        fail(f"--workers must be zero or more, got {args.workers}")
+    return DataLoader(dataset, batch_size, num_workers=args.workers, persistent_workers=args.workers > 0, **options)
 
 # -- model --------------------------------------------------------------------
 
@@ -265,10 +278,12 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
     def flops_per_token(self):
-        """Training FLOPs per token as the PaLM paper (appendix B) and nanoGPT count them: 6 per parameter, for
-        the forward and backward matmuls (embeddings excepted: lookups), plus attention's 12 x layers x d_model x seq_len."""
-        matmul_params = sum(p.numel() for p in self.parameters()) - self.tok_emb.weight.numel() - self.pos_emb.weight.numel()
-        return 6 * matmul_params + 12 * self.config.n_layers * self.config.d_model * self.config.seq_len
+        """Training FLOPs per token as the PaLM paper (appendix B) counts them: 6 per weight of a matmul (forward and
+        backward; embeddings are lookups, biases and LayerNorm's scales no matmuls), plus attention's 12 x layers x
+        d_model x seq_len. torch's FlopCounterMode counts the same (tests/test_speed.py)."""
+        matrices = sum(p.numel() for p in self.parameters() if p.dim() == 2)
+        matmul_weights = matrices - self.tok_emb.weight.numel() - self.pos_emb.weight.numel()
+        return 6 * matmul_weights + 12 * self.config.n_layers * self.config.d_model * self.config.seq_len
 
 
 def build_model(args, data_info):
@@ -359,6 +374,20 @@ def local_bytes(tensors):
     return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
 
 
+class SkippingSampler(Sampler):
+    """Another sampler's order, from its `start`-th index on: a resumed run skips what its epoch has already trained on
+    by index, fetching none of it."""
+
+    def __init__(self, sampler):
+        self.sampler, self.start = sampler, 0
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.start, None)
+
+    def __len__(self):
+        return len(self.sampler) - self.start
+
+
 def peak_flops(device):
     """The dense bf16 peak FLOP/s of a GPU in NVIDIA's datasheets, to measure MFU against; None for any other."""
     if device.type != "cuda":
@@ -390,6 +419,18 @@ def init_weights(model, seed):
             value = distribute_tensor(value.to(tensor.device), tensor.device_mesh, tensor.placements, src_data_rank=None)
         tensor.copy_(value)
 
+def measure_flops(args, data_info, sample):
+    """The training FLOPs of one sample as torch counts them (FlopCounterMode: matmuls, convolutions, attention): one
+    forward and backward of the model built anew on the meta device, which takes no memory and next to no time."""
+    logging.disable(logging.INFO)  # build_model's log lines were printed when it first ran
+    with torch.device("meta"):
+        model, _ = build_model(args, data_info)
+    logging.disable(logging.NOTSET)
+    inputs, targets = (value.to("meta").unsqueeze(0) for value in sample)  # a batch of one
+    with FlopCounterMode(display=False) as counter:
+        loss_fn(model(inputs), targets).backward()
+    return counter.get_total_flops()
+
 
 def peak_memory(device):
     """The most memory this process has held so far, in bytes: on a GPU what torch's allocator gave its tensors, on
@@ -413,6 +454,13 @@ def catch_stop_signals():
         if hasattr(signal, name):  # Windows has no SIGUSR1
             signal.signal(getattr(signal, name), lambda signum, frame: received.append(signum))
     return received
+
+def ignore_stop_signals(worker_id):
+    """How a loader worker starts: it leaves stop signals to the training process, which saves, then ends it. torch's
+    workers die of a SIGTERM, and torchrun sends one to every process in each worker's group."""
+    for name in "SIGTERM", "SIGUSR1":
+        if hasattr(signal, name):  # Windows has no SIGUSR1
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def stop_requested(received, group):
@@ -680,12 +728,17 @@ def main(args):
 
     sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
     pin_memory = device.type == "cuda"  # page-locked host memory lets the copy to the GPU run async
-    train_loader = DataLoader(train_set, per_process_batch_size, sampler=sampler, pin_memory=pin_memory)
+    train_loader = make_loader(train_set, per_process_batch_size, args, sampler=SkippingSampler(sampler),
+                               pin_memory=pin_memory, worker_init_fn=ignore_stop_signals)
     if len(val_set) < world_size:  # evaluate() needs a batch on every rank
         fail(f"{len(val_set)} validation samples are fewer than the {world_size} processes: each needs one")
     val_set = Subset(val_set, range(rank, len(val_set), world_size))  # no padding duplicates, unlike the sampler's
-    val_loader = DataLoader(val_set, per_process_batch_size, pin_memory=pin_memory)
+    val_loader = make_loader(val_set, per_process_batch_size, args, pin_memory=pin_memory,
+                             worker_init_fn=ignore_stop_signals)
     unit, units_per_sample, flops_per_unit = throughput_unit(model, args)
+    if flops_per_unit is None:  # the model section does not count them: torch does, once
+        flops_per_unit = measure_flops(args, data_info, train_set[0]) / units_per_sample
+        log.info(f"torch's FlopCounterMode counts {flops_per_unit:,.0f} training FLOPs for each of the {unit}")
     peak = peak_flops(device)
     profiler = contextlib.nullcontext()
     if args.profile:  # the first steps compile, allocate and fill caches: trace three after them
@@ -715,8 +768,9 @@ def main(args):
                 break
             if micro_batches is None or step % steps_per_epoch == 0:
                 sampler.set_epoch(step // steps_per_epoch)  # a new order each epoch, the same on every rank
-                # A resumed run skips what its epoch has already trained on: the data order stays the same.
-                micro_batches = itertools.islice(train_loader, step % steps_per_epoch * args.grad_accum, None)
+                # A resumed run skips, by index, what its epoch has already trained on: the data order stays the same.
+                train_loader.sampler.start = step % steps_per_epoch * args.grad_accum * per_process_batch_size
+                micro_batches = iter(train_loader)
             try:
                 loss = train_step(model, optimizer, scheduler, micro_batches, args, device)
             except torch.cuda.OutOfMemoryError:  # a GPU's; on a CPU the OS ends a process that runs out

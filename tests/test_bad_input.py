@@ -55,6 +55,7 @@ def test_timeout_must_be_positive(script):
     ("ddp_spawn.py", "--timeout", "inf", "--timeout must be positive, got inf"),  # a timedelta would overflow
     # The data and model sections check their own flags.
     ("single_gpu.py", "--seq-len", 0, "--seq-len must be positive, got 0"),
+    ("ddp_torchrun.py", "--workers", -1, "--workers must be zero or more, got -1"),
     ("single_gpu.py", "--n-layers", 0, "--n-layers must be positive, got 0"),
     ("single_gpu.py", "--n-heads", -2, "--n-heads must be positive, got -2"),
 ])

@@ -19,19 +19,20 @@ from conftest import (LAUNCHER, ROOT, STEPS, TINY, WAIT_FOR_SIGNAL, environment,
 STOPPED = 75  # a stopped process's exit status (EX_TEMPFAIL): saved, to be run again
 
 
-def flags(ckpt_dir, log_dir):
-    return [*TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", log_dir]
+def flags(ckpt_dir, log_dir, workers=0):
+    return [*TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", log_dir, "--workers", workers]
 
 
-def stop_at_random_step(script, target, tmp_path):
+def stop_at_random_step(script, target, tmp_path, workers=0):
     """Launch `script`, and send SIGTERM to `target` ("launcher", or "worker": local rank 1 alone) during a random
-    step; return the exit status, the output and that step."""
+    step; return the exit status, the output and that step. With loader workers, torchrun's SIGTERM reaches them too
+    (it signals each worker's process group)."""
     stop_at = random.randint(2, STEPS - 1)
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
     env = environment({**injected(tmp_path, WAIT_FOR_SIGNAL), "LAUNCH_TEST_TAG": tag, "NPROC_PER_NODE": "2",
                        "MAX_RESTARTS": "0",  # a worker that stops is not restarted: the job ends as stopped
                        "STOP_AT": str(stop_at), "GO": str(tmp_path / "go")})
-    argv = [str(LAUNCHER), script, *map(str, flags(tmp_path / "ckpt", tmp_path / "tb"))]
+    argv = [str(LAUNCHER), script, *map(str, flags(tmp_path / "ckpt", tmp_path / "tb", workers))]
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -57,15 +58,16 @@ def stop_at_random_step(script, target, tmp_path):
         return returncode, log.read(), stop_at
 
 
-@pytest.mark.parametrize("script, target", [("ddp_torchrun.py", "launcher"), ("ddp_torchrun.py", "worker"),
-                                            ("fsdp.py", "launcher"), ("pipeline.py", "worker"),
-                                            ("ddp_spawn.py", "launcher"), ("single_gpu.py", "launcher")])
-def test_stop_signal_saves_and_the_rerun_ends_bit_for_bit(trained, script, target, tmp_path):
-    returncode, output, stop_at = stop_at_random_step(script, target, tmp_path)
+@pytest.mark.parametrize("script, target, workers", [("ddp_torchrun.py", "launcher", 2), ("ddp_torchrun.py", "worker", 0),
+                                                     ("fsdp.py", "launcher", 0), ("pipeline.py", "worker", 0),
+                                                     ("ddp_spawn.py", "launcher", 0), ("single_gpu.py", "launcher", 0)])
+def test_stop_signal_saves_and_the_rerun_ends_bit_for_bit(trained, script, target, workers, tmp_path):
+    returncode, output, stop_at = stop_at_random_step(script, target, tmp_path, workers)
     stops = re.findall(r"^step +(\d+) \| stopped by SIGTERM: run again to resume from (.+)$", output, re.MULTILINE)
     assert len(stops) == 1, output  # rank 0 says it once
     step = int(stops[0][0])
-    print(f"\n{script}: SIGTERM to the {target} in step {stop_at}: stopped at step {step}, exit {returncode}")
+    print(f"\n{script} --workers {workers}: SIGTERM to the {target} in step {stop_at}: stopped at step {step}, "
+          f"exit {returncode}")
     assert step == stop_at, output
     # Straight from python, the stop's own status; through torchrun, its report of the stop (torchrun exits 1).
     if script in ("single_gpu.py", "ddp_spawn.py"):

@@ -13,12 +13,29 @@ from conftest import (DISTRIBUTED, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, WARNI
 
 
 def flops_per_token(d_model=32, n_layers=2, seq_len=16, vocab_size=256):
-    """TINY's model counted by hand: per block qkv (3d^2, no bias), attention output (d^2 + d), MLP (8d^2 + 5d)
-    and two LayerNorms (4d); then the final LayerNorm (2d) and the head (vocabulary x d). The embeddings are
-    lookups, not matmuls."""
+    """TINY's model counted by hand: the matmul weights of each block, qkv (3d^2), attention output (d^2) and MLP
+    (8d^2), then the head (vocabulary x d). The embeddings are lookups; biases and LayerNorms no matmuls."""
     d = d_model
-    matmul_params = n_layers * (12 * d * d + 10 * d) + 2 * d + vocab_size * d
-    return 6 * matmul_params + 12 * n_layers * d_model * seq_len
+    matmul_weights = n_layers * 12 * d * d + vocab_size * d
+    return 6 * matmul_weights + 12 * n_layers * d_model * seq_len
+
+
+@pytest.mark.parametrize("shape", [dict(d_model=64, n_layers=2, n_heads=4, seq_len=64, vocab_size=64),  # the default
+                                   dict(d_model=768, n_layers=12, n_heads=12, seq_len=1024, vocab_size=50257)])  # GPT-2
+def test_the_gpts_own_flop_count_is_torchs(shape):
+    """The GPT's count (6 FLOPs per matmul weight, plus attention's) against torch's FlopCounterMode over a forward
+    and backward, which a model section that counts nothing gets: equal, at the default size and GPT-2 small's."""
+    module = import_script("single_gpu.py")
+    args = argparse.Namespace(**{name: value for name, value in shape.items() if name != "vocab_size"})
+    data_info = {"vocab_size": shape["vocab_size"]}
+    with torch.device("meta"):
+        model, _ = module.build_model(args, data_info)
+    by_hand = module.throughput_unit(model, args)[2] * args.seq_len
+    tokens = torch.zeros(args.seq_len, dtype=torch.long)
+    by_torch = module.measure_flops(args, data_info, (tokens, tokens))
+    print(f"\nFLOPs per sequence of {args.seq_len} tokens: {by_hand:,} by hand, {by_torch:,} by FlopCounterMode "
+          f"({by_hand / by_torch - 1:+.3%})")
+    assert by_torch == by_hand
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

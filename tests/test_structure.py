@@ -12,7 +12,7 @@ SIBLING_IMPORT = re.compile(r"^\s*(from|import)\s+(single_gpu|dataparallel|ddp_s
                             re.MULTILINE)
 # Lines changed against single_gpu.py, both sides counted, as `diff single_gpu.py X.py | grep -c '^[<>]'`.
 MAX_CHANGED_LINES = {"dataparallel.py": 20, "ddp_spawn.py": 140, "ddp_torchrun.py": 105, "ddp_amp.py": 140, "fsdp.py": 300,
-                     "pipeline.py": 390}
+                     "pipeline.py": 400}
 # Scripts derived from ddp_torchrun.py, and their exact diff against it.
 CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 66, "ddp_amp.py": 47, "fsdp.py": 227}
 

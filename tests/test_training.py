@@ -67,8 +67,31 @@ def test_validation_is_exact_across_ranks(trained, script):
     assert got["val/accuracy"][0] == expected["val/accuracy"][0]
 
 
-@pytest.mark.parametrize("script", ["single_gpu.py", "ddp_torchrun.py", "pipeline.py"])
-def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, script, tmp_path):
+# Every sample the training set hands out, one line each in the file $FETCHES, from every process (loader workers
+# included). The training set is the Subset of range(0, ...) over the dataset itself; the validation sets are others.
+COUNT_FETCHES = """import os, torch.utils.data
+Subset = torch.utils.data.Subset
+getitem, getitems = Subset.__getitem__, Subset.__getitems__
+
+def note(subset, count):
+    if isinstance(subset.indices, range) and subset.indices.start == 0 and not isinstance(subset.dataset, Subset):
+        with open(os.environ["FETCHES"], "a") as f:
+            f.write("fetched\\n" * count)
+
+def counted_getitem(self, index):
+    note(self, 1)
+    return getitem(self, index)
+
+def counted_getitems(self, indices):
+    note(self, len(indices))
+    return getitems(self, indices)
+
+Subset.__getitem__, Subset.__getitems__ = counted_getitem, counted_getitems
+"""
+
+
+@pytest.mark.parametrize("script, workers", [("single_gpu.py", 0), ("ddp_torchrun.py", 2), ("pipeline.py", 0)])
+def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, script, workers, tmp_path):
     half = STEPS // 2
     ckpt_dir = tmp_path / "ckpt"
     first = run(script, *TINY, "--max-steps", half, "--lr-decay-steps", STEPS, "--ckpt-dir", ckpt_dir,
@@ -76,9 +99,20 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, script, tmp_pa
     assert first.returncode == 0, first.output
     assert load(ckpt_dir)["step"] == half
 
-    second = run(script, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb2")
+    # Resumed with loader workers or without: the same numbers.
+    second = run(script, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb2",
+                 "--workers", workers, env={**injected(tmp_path, COUNT_FETCHES), "FETCHES": str(tmp_path / "fetches")})
     assert second.returncode == 0, second.output
     assert f"resumed from {ckpt_dir / checkpoint_name(script)} at step {half}" in second.output
+    # Step 8 is 3 steps into an epoch of 5: those 3 steps' samples are skipped by index, never fetched. The run
+    # fetches what steps 9 to 16 train on, 8 samples a step (every stage of pipeline.py loads whole batches, and
+    # one sample at start-up for its shape), and with workers what they prefetch past each of the 3 epochs it
+    # touches: at most 2 workers x 2 batches of 2 samples per rank.
+    fetched, trained_on = len((tmp_path / "fetches").read_text().split()), (STEPS - half) * 8
+    if script == "pipeline.py":
+        trained_on = 2 * (trained_on + 1)
+    print(f"\n{script} --workers {workers}: resumed at step {half}, fetched {fetched} samples to train on {trained_on}")
+    assert fetched == trained_on if workers == 0 else trained_on <= fetched <= trained_on + 3 * 2 * (2 * 2 * 2)
 
     resumed, uninterrupted = load(ckpt_dir), load(trained[script].ckpt_dir)
     assert resumed["step"] == STEPS

@@ -11,7 +11,7 @@ from conftest import (DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, WARNING, che
                       scalars)
 
 # The replacement sections, written once for every script. Everything the scripts' main() needs from them:
-# add_data_args, build_datasets, add_model_args, build_model, loss_fn, count_correct and throughput_unit.
+# add_data_args, build_datasets, make_loader, add_model_args, build_model, loss_fn, count_correct and throughput_unit.
 DATA = '''
 
 def add_data_args(parser):
@@ -45,6 +45,10 @@ def build_datasets(args):
     num_train = len(dataset) - len(dataset) // 10
     train_set, val_set = Subset(dataset, range(num_train)), Subset(dataset, range(num_train, len(dataset)))
     return train_set, val_set, {"num_classes": args.classes}
+
+
+def make_loader(dataset, batch_size, args, **options):
+    return DataLoader(dataset, batch_size, **options)  # images already in memory: the training process fetches them
 
 
 '''
@@ -101,11 +105,8 @@ def count_correct(logits, labels):
 
 
 def throughput_unit(model, args):
-    """Images, one per sample. Each weight of a convolution meets every output position: 12x12 for the
-    first, 6x6 for the second (stride 2); 6 FLOPs per use for forward and backward."""
-    conv1, conv2 = (m for m in model.modules() if isinstance(m, nn.Conv2d))
-    uses = conv1.weight.numel() * 144 + conv2.weight.numel() * 36 + model.head.weight.numel()
-    return "images", 1, 6 * uses
+    """Images, one per sample; their FLOPs are left to torch to count (None)."""
+    return "images", 1, None
 
 
 '''
@@ -164,14 +165,18 @@ def test_a_classifier_trains_checkpoints_resumes_and_matches_single_gpu(script, 
     assert first_tb["val/loss"][0] == pytest.approx(1.386, abs=0.15), first_tb["val/loss"]
     assert tb["val/loss"][STEPS] < first_tb["val/loss"][0] - 0.5, (first_tb["val/loss"], tb["val/loss"])
 
-    # The throughput is the model section's: images, and the FLOPs its throughput_unit counts (16 and 32
-    # channels: 144 x 16 x 9 + 36 x 512 x 9 + 4 x 32 weight uses, 6 FLOPs each, per image), per process.
+    # The throughput is the model section's unit, images, and its FLOPs torch's count: each weight of a
+    # convolution meets every output position, 12x12 for the first (16 x 9 weights), 6x6 for the second (stride 2,
+    # 32 x 16 x 9), and the head's 4 x 32 weights once. A use is 2 FLOPs forward and 2 for the weight's gradient,
+    # and 2 more for the input's gradient, which the first convolution does not compute (the images need none).
+    flops = 2 * 144 * 144 * 2 + 2 * 36 * 4608 * 3 + 2 * 128 * 3
+    assert f"torch's FlopCounterMode counts {flops:,} training FLOPs for each of the images" in second.output
     assert re.search(r"\d images/s, [\d.e+-]+ TFLOP/s \| ", second.output), second.output
     world_size = 2 if script in DISTRIBUTED else 1
     images_per_sec, tflops = tb["train/images_per_sec"], tb["train/tflops_per_process"]
     assert images_per_sec.keys() == tflops.keys()
     for step, value in tflops.items():
-        assert value * 1e12 == pytest.approx(images_per_sec[step] * 6 * (144 * 144 + 36 * 4608 + 128) / world_size, rel=1e-5)
+        assert value * 1e12 == pytest.approx(images_per_sec[step] * flops / world_size, rel=1e-5)
 
     ckpt = load(ckpt_dir)
     assert ckpt["config"] == {"num_classes": 4, "width": 16, "batch_norm": False, "dropout": 0.0}
