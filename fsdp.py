@@ -352,13 +352,19 @@ def setup(args):
 def shard_model(model, args, device):
     """Shard the model in place over every rank. Each of model.blocks becomes a unit that FSDP gathers whole just
     before it runs and frees after; the root unit holds the rest (for the GPT: embeddings, final norm, head). A model
-    without model.blocks is one unit, gathered whole for every forward and backward."""
+    without model.blocks is one unit, gathered whole for every forward and backward, and the log says so."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # explicit: the default mesh assumes a GPU
     # bf16: each unit's weights are gathered in bf16 and compute in bf16; gradients are reduced in fp32 into the fp32
     # shards that the optimizer steps. Not inherited: every unit gets the policy, and the root's also casts the
     # model's outputs to fp32, for the loss (a block's would hand the root's own bf16 LayerNorm fp32, which it refuses).
     param_dtype = torch.bfloat16 if args.precision == "bf16" else None  # None: as they are, fp32
-    for block in model.blocks.children() if hasattr(model, "blocks") else []:
+    blocks = list(model.blocks.children()) if hasattr(model, "blocks") else []
+    if not blocks:
+        gathered = sum(p.numel() * (param_dtype or p.dtype).itemsize for p in model.parameters())
+        log.info(f"the model has no blocks: FSDP shards it as one unit, which every rank gathers whole "
+                 f"({gathered / 2**20:,.1f} MiB) for each forward and backward (see README)"
+                 + (" | --compile compiles each block: nothing compiled" if args.compile else ""))
+    for block in blocks:
         if args.activation_checkpointing:  # the block's input alone is kept; backward recomputes the rest from it
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
         if args.compile:  # in place, each block alone (the root stays eager): FSDP's gathers run between the graphs

@@ -382,8 +382,9 @@ def split_model(model, stage, num_stages, inputs):
     number allows, and the modules registered before the blocks on the first stage, after them on the last.
     Returns what each stage holds, by module name, and what this stage takes in and gives out for `inputs`, a
     micro-batch on the meta device, as the model is."""
-    if not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
-        fail("pipeline.py splits the model's blocks: they must be in a ModuleDict named blocks (see README)")
+    if not (isinstance(getattr(model, "blocks", None), nn.ModuleDict) and hasattr(model, "embed") and hasattr(model, "output")):
+        fail("pipeline.py runs a model as embed(), the modules of a ModuleDict named blocks, then output(): "
+             f"{type(model).__name__} lacks some of them (see README)")
     blocks = list(model.blocks)
     if num_stages > len(blocks):
         fail(f"{num_stages} processes make {num_stages} pipeline stages, but the model has {len(blocks)} blocks: "
@@ -398,15 +399,33 @@ def split_model(model, stage, num_stages, inputs):
     runs = [blocks[start:end] for start, end in zip(bounds, bounds[1:])]
     # The whole model's forward on the meta device, cut where the stages meet: shapes and dtypes, with no memory and
     # no arithmetic. Without these examples, PipelineStage finds the shapes by running each stage at the first step,
-    # in training mode, on uninitialised inputs: BatchNorm would count them.
+    # in training mode, on uninitialised inputs: BatchNorm would count them. Run so, piece by piece, the model must call
+    # the modules that forward() calls, in its order, to its output's shape: or the stages would train another model.
+    children = [name for name, _ in model.named_children()]
+    called = []  # the modules that run, by name, in order
+    hooks = [module.register_forward_pre_hook(lambda *_, name=name: called.append(name))
+             for name, module in model.named_modules() if name]
     with torch.no_grad():
+        whole = model(inputs)
+        forward_called, called[:] = called[:], []
         x, activations = model.embed(inputs), [inputs]
         for s, run in enumerate(runs):
             for name in run:
                 x = model.blocks[name](x)
+                if not isinstance(x, torch.Tensor):  # a stage sends one tensor on to the next
+                    fail(f"block {name} returns a {type(x).__name__}: pipeline.py needs blocks that map a tensor to a tensor")
             activations.append(model.output(x) if s == num_stages - 1 else x)
+    for hook in hooks:
+        hook.remove()
+    # The first stage keeps the modules registered before the blocks, the last those after: embed() may run only the
+    # former, output() only the latter. Each module's side: -1 before the blocks, 0 in them, 1 after them.
+    side = {name: (i > children.index("blocks")) - (i < children.index("blocks")) for i, name in enumerate(children)}
+    if [side[name.split(".")[0]] for name in called] != sorted(side[name.split(".")[0]] for name in called):
+        fail("embed() must run only modules registered before blocks, output() only those after (see README)")
+    if called != forward_called or activations[-1].shape != getattr(whole, "shape", None):
+        fail("forward() does not run as embed(), the blocks in order, then output(): pipeline.py, which runs those, "
+             "would train another model (see README)")
     activations[1:] = [x.requires_grad_() for x in activations[1:]]  # in training, gradients flow back through these
-    children = [name for name, _ in model.named_children()]
     before, after = children[:children.index("blocks")], children[children.index("blocks") + 1:]
     parts = [[f"blocks.{name}" for name in run] for run in runs]
     parts[0] = before + parts[0]

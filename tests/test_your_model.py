@@ -1,14 +1,15 @@
 """Bring your own model and data: each script, with only its data and model sections replaced by a small
 image classifier (as a user following the README would), trains, checkpoints, resumes, and, where nothing
-per-process is in the model, reaches single_gpu.py's weights."""
+per-process is in the model, reaches single_gpu.py's weights. A ResNet-shaped model trains in each after the
+README's adaptation; without it, fsdp.py says what it shards and pipeline.py refuses it in one line."""
 
 import re
 
 import pytest
 import torch
 
-from conftest import (DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, WARNING, checkpoint_name, load, max_param_diff, run,
-                      scalars)
+from conftest import (DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, WARNING, checkpoint_name, import_script, load,
+                      max_param_diff, run, scalars)
 
 # The replacement sections, written once for every script. Everything the scripts' main() needs from them:
 # add_data_args, build_datasets, make_loader, add_model_args, build_model, loss_fn, count_correct and throughput_unit.
@@ -119,13 +120,13 @@ CHANCE = 0.25  # 4 classes
 MARGIN = 0.35  # held-out accuracy must reach 0.60. Measured: 0.745 in every script, 0.80 to 0.82 with BatchNorm
 
 
-def with_classifier(script, directory):
+def with_classifier(script, directory, model=MODEL):
     """`script` as a user leaves it after replacing its data and model sections: everything else is untouched."""
     text = (ROOT / script).read_text()
     marks = {m.group(1): m for m in SECTION.finditer(text)}
     start, end = marks["data"].end(), marks["setup"].start()
     assert text[marks["model"].start():marks["model"].end()].startswith("# -- model")
-    replaced = text[:start] + DATA + text[marks["model"].start():marks["model"].end()] + MODEL + text[end:]
+    replaced = text[:start] + DATA + text[marks["model"].start():marks["model"].end()] + model + text[end:]
     path = directory / script
     path.write_text(replaced)
     return path
@@ -211,3 +212,138 @@ def test_a_batch_norm_classifier_trains(script, reference, tmp_path):
         assert difference > 100 * PARAM_ATOL
     else:
         assert difference <= PARAM_ATOL
+
+
+# A stand-in for a torchvision ResNet, with its layout and names (torchvision is no dependency of ours): a stem, four
+# layers of residual blocks with BatchNorm, each layer but the first halving the image, average pooling, and a head
+# that forward() reaches through torch.flatten. Scaled to 12x12 images: a 3x3 first convolution, a pooling of stride 1.
+RESNET = '''
+
+def add_model_args(parser):
+    parser.add_argument("--width", type=int, default=8, help="channels of the first layer, doubled by each next")
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, channels_in, channels, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.downsample = None
+        if stride != 1 or channels_in != channels:
+            self.downsample = nn.Sequential(nn.Conv2d(channels_in, channels, 1, stride=stride, bias=False),
+                                            nn.BatchNorm2d(channels))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        return self.relu(self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + identity)
+
+
+class ResNet(nn.Module):
+    def __init__(self, num_classes, width):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU()
+        self.maxpool = nn.MaxPool2d(3, stride=1, padding=1)
+        self.layer1 = nn.Sequential(BasicBlock(width, width, 1))
+        self.layer2 = nn.Sequential(BasicBlock(width, 2 * width, 2))
+        self.layer3 = nn.Sequential(BasicBlock(2 * width, 4 * width, 2))
+        self.layer4 = nn.Sequential(BasicBlock(4 * width, 8 * width, 2))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8 * width, num_classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def build_model(args, data_info):
+    config = {"num_classes": data_info["num_classes"], "width": args.width}
+    return WRAPPED, config
+
+
+def loss_fn(logits, labels, reduction="mean"):
+    return F.cross_entropy(logits, labels, reduction=reduction)
+
+
+def count_correct(logits, labels):
+    return (logits.argmax(-1) == labels).sum(), labels.numel()
+
+
+def throughput_unit(model, args):
+    return "images", 1, None
+
+
+'''
+# The README's adaptation, as a user copies it.
+ADAPTATION = re.search(r"```python\n(class ResNetInPieces\(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL).group(1)
+ADAPTED = RESNET.replace("WRAPPED", "ResNetInPieces(ResNet(**config))") + ADAPTATION + "\n\n"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_resnet_trains_after_the_readmes_adaptation(script, tmp_path):
+    path = with_classifier(script, tmp_path, ADAPTED)
+    result, tb = train(path, tmp_path)
+    print(f"{script}, ResNet: held-out accuracy {tb['val/accuracy'][STEPS]:.3f}")
+    assert tb["val/accuracy"][STEPS] >= CHANCE + MARGIN, tb["val/accuracy"]
+    assert tb["val/loss"][STEPS] < tb["val/loss"][0] - 0.5, tb["val/loss"]
+    if script == "fsdp.py":
+        assert "no blocks" not in result.output
+    if script == "pipeline.py":  # split between residual blocks, the stem on the first stage, the head on the last
+        assert "stage 0 (rank 0): stem, blocks.0, blocks.1\n" in result.output, result.output
+        assert "stage 1 (rank 1): blocks.2, blocks.3, head\n" in result.output, result.output
+
+
+def test_fsdp_says_what_it_shards_of_a_model_without_blocks(tmp_path):
+    path = with_classifier("fsdp.py", tmp_path, RESNET.replace("WRAPPED", "ResNet(**config)"))
+    result, tb = train(path, tmp_path, "--compile", steps=4)
+    parameters = sum(p.numel() for p in import_script(str(path)).ResNet(4, 8).parameters())
+    line = (f"the model has no blocks: FSDP shards it as one unit, which every rank gathers whole "
+            f"({parameters * 4 / 2**20:,.1f} MiB) for each forward and backward (see README) "
+            f"| --compile compiles each block: nothing compiled\n")
+    assert line in result.output, result.output
+
+
+@pytest.mark.parametrize("change, message", [
+    # torchvision's ResNet as it is: no pieces
+    ("ResNet(**config)", "pipeline.py runs a model as embed(), the modules of a ModuleDict named blocks, then output(): "
+                         "ResNet lacks some of them (see README)"),
+    # a forward() that does more than the pieces: here, a dropout only it runs
+    ("Dropped(ResNet(**config))", "forward() does not run as embed(), the blocks in order, then output(): "
+                                  "pipeline.py, which runs those, would train another model (see README)"),
+    # the head registered before the blocks: the first stage would keep it, the last would lack it
+    ("HeadFirst(ResNet(**config))", "embed() must run only modules registered before blocks, output() only those "
+                                    "after (see README)"),
+])
+def test_pipeline_refuses_a_model_whose_pieces_are_not_its_forward(change, message, tmp_path):
+    variants = '''
+class Dropped(ResNetInPieces):
+    def __init__(self, resnet):
+        super().__init__(resnet)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, images):
+        return self.dropout(super().forward(images))
+
+
+class HeadFirst(ResNetInPieces):
+    def __init__(self, resnet):
+        head = nn.Sequential(resnet.avgpool, nn.Flatten(), resnet.fc)
+        super().__init__(resnet)
+        del self.head, self.blocks
+        self.head = head
+        self.blocks = nn.ModuleDict({str(i): block for i, block in enumerate(
+            block for layer in (resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4) for block in layer)})
+
+
+'''
+    path = with_classifier("pipeline.py", tmp_path, RESNET.replace("WRAPPED", change) + ADAPTATION + variants)
+    result = run(path, *FLAGS, "--max-steps", 4, "--log-dir", tmp_path / "tb")
+    assert result.returncode != 0
+    errors = [line for line in result.output.splitlines() if line.startswith("pipeline.py: error: ")]
+    assert f"pipeline.py: error: {message}" in errors, result.output
+    assert 'pipeline.py", line' not in result.output, result.output  # no traceback of the script's own
