@@ -29,13 +29,15 @@ import torch
 if torch.__version__ < "2.4":  # compared as versions; checked before the imports below, which an older torch may lack
     sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.4 or newer, found {torch.__version__}")
 
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, Subset
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
+# The signals that make a run save a checkpoint, then stop (catch_stop_signals). Windows has no SIGUSR1.
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]
 
 
 # -- configuration ------------------------------------------------------------
@@ -172,7 +174,6 @@ def build_datasets(args):
     return train_set, val_set, {"vocab_size": vocab_size}
 
 
-
 def make_loader(dataset, batch_size, args, **options):
     """A DataLoader of the dataset, as this data needs it. With --workers N, N processes fetch and prefetch batches
     while the training process computes, and stay alive from one epoch to the next: for data that is decoded or
@@ -181,6 +182,7 @@ def make_loader(dataset, batch_size, args, **options):
     if args.workers < 0:
         fail(f"--workers must be zero or more, got {args.workers}")
     return DataLoader(dataset, batch_size, num_workers=args.workers, persistent_workers=args.workers > 0, **options)
+
 
 # -- model --------------------------------------------------------------------
 
@@ -248,7 +250,7 @@ class GPT(nn.Module):
             value.normal_(0.0, 0.02, generator=generator)
 
     # forward() in three parts, the modules registered in the same order: the layers before the blocks, the
-    # blocks, the layers after them. A pipeline stage (pipeline.py) runs the parts it holds.
+    # blocks, the layers after them. A stage of a pipeline-parallel run calls only the parts it holds.
     def forward(self, tokens):
         x = self.embed(tokens)
         for block in self.blocks.values():
@@ -264,7 +266,7 @@ class GPT(nn.Module):
     def flops_per_token(self):
         """Training FLOPs per token as the PaLM paper (appendix B) counts them: 6 per weight of a matmul (forward and
         backward; embeddings are lookups, biases and LayerNorm's scales no matmuls), plus attention's 12 x layers x
-        d_model x seq_len. torch's FlopCounterMode counts the same (tests/test_speed.py)."""
+        d_model x seq_len. torch's FlopCounterMode counts the same."""
         matrices = sum(p.numel() for p in self.parameters() if p.dim() == 2)
         matmul_weights = matrices - self.tok_emb.weight.numel() - self.pos_emb.weight.numel()
         return 6 * matmul_weights + 12 * self.config.n_layers * self.config.d_model * self.config.seq_len
@@ -353,6 +355,7 @@ def init_weights(model, seed):
         model.init_tensor(name, value, torch.Generator().manual_seed(zlib.crc32(f"{seed} {name}".encode())))
         tensor.copy_(value)
 
+
 def measure_flops(args, data_info, sample):
     """The training FLOPs of one sample as torch counts them (FlopCounterMode: matmuls, convolutions, attention): one
     forward and backward of the model built anew on the meta device, which takes no memory and next to no time."""
@@ -384,17 +387,16 @@ def catch_stop_signals():
     at the time limit or on preemption, Kubernetes, spot instances), torchrun passes it on to its workers, and SLURM
     sends SIGUSR1 ahead of the time limit when asked to (launch_distributed.sh asks)."""
     received = []
-    for name in "SIGTERM", "SIGUSR1":
-        if hasattr(signal, name):  # Windows has no SIGUSR1
-            signal.signal(getattr(signal, name), lambda signum, frame: received.append(signum))
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, lambda signum, frame: received.append(signum))
     return received
+
 
 def ignore_stop_signals(worker_id):
     """How a loader worker starts: it leaves stop signals to the training process, which saves, then ends it. torch's
     workers die of a SIGTERM, and torchrun sends one to every process in each worker's group."""
-    for name in "SIGTERM", "SIGUSR1":
-        if hasattr(signal, name):  # Windows has no SIGUSR1
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_IGN)
 
 
 def stop_requested(received):
@@ -513,7 +515,7 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
     """Restore the training state in place and return the step to continue from."""
     try:
         state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  torch.load of a bad file raises anything from EOFError to KeyError
         fail(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}")
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
@@ -535,7 +537,7 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
 
 def main(args):
     device = setup(args)
-    rank, world_size = 0, 1  # this process's number, and how many train together: the DDP scripts ask their group
+    rank, world_size = 0, 1  # this process's number, and how many processes train together: here one
     logging.basicConfig(format="%(message)s", level=logging.INFO, stream=sys.stdout)
     train_set, val_set, data_info = build_datasets(args)
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size
@@ -643,7 +645,7 @@ def main(args):
                 log.info(f"step {step:>5} | saved {ckpt_path}")
             if stop:
                 stopped(stop, step, ckpt_path)
-    peaks = [peak_memory(device)]  # this process's; the DDP scripts gather every process's
+    peaks = [peak_memory(device)]  # this process's, the only one
     if peaks[0] is not None:
         log.info(f"peak memory per process: {', '.join(f'{peak / 2**30:.2f}' for peak in peaks)} GiB "
                  f"({'allocated on the GPU' if device.type == 'cuda' else 'resident, torch included'})")

@@ -30,14 +30,16 @@ if torch.__version__ < "2.8":  # compared as versions; checked before the import
     sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.8 or newer, found {torch.__version__}")
 
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before any group exists: imported later, it would keep the default one alive
-import torch.nn as nn
+import torch.distributed.nn  # here, before any group exists, so that it holds none: see leave_process_group()
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
+# The signals that make a run save a checkpoint, then stop (catch_stop_signals). Windows has no SIGUSR1.
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]
 
 
 # -- configuration ------------------------------------------------------------
@@ -173,7 +175,6 @@ def build_datasets(args):
     return train_set, val_set, {"vocab_size": vocab_size}
 
 
-
 def make_loader(dataset, batch_size, args, **options):
     """A DataLoader of the dataset, as this data needs it. With --workers N, N processes fetch and prefetch batches
     while the training process computes, and stay alive from one epoch to the next: for data that is decoded or
@@ -182,6 +183,7 @@ def make_loader(dataset, batch_size, args, **options):
     if args.workers < 0:
         fail(f"--workers must be zero or more, got {args.workers}")
     return DataLoader(dataset, batch_size, num_workers=args.workers, persistent_workers=args.workers > 0, **options)
+
 
 # -- model --------------------------------------------------------------------
 
@@ -249,7 +251,7 @@ class GPT(nn.Module):
             value.normal_(0.0, 0.02, generator=generator)
 
     # forward() in three parts, the modules registered in the same order: the layers before the blocks, the
-    # blocks, the layers after them. A pipeline stage (pipeline.py) runs the parts it holds.
+    # blocks, the layers after them. A stage of a pipeline-parallel run calls only the parts it holds.
     def forward(self, tokens):
         x = self.embed(tokens)
         for block in self.blocks.values():
@@ -265,7 +267,7 @@ class GPT(nn.Module):
     def flops_per_token(self):
         """Training FLOPs per token as the PaLM paper (appendix B) counts them: 6 per weight of a matmul (forward and
         backward; embeddings are lookups, biases and LayerNorm's scales no matmuls), plus attention's 12 x layers x
-        d_model x seq_len. torch's FlopCounterMode counts the same (tests/test_speed.py)."""
+        d_model x seq_len. torch's FlopCounterMode counts the same."""
         matrices = sum(p.numel() for p in self.parameters() if p.dim() == 2)
         matmul_weights = matrices - self.tok_emb.weight.numel() - self.pos_emb.weight.numel()
         return 6 * matmul_weights + 12 * self.config.n_layers * self.config.d_model * self.config.seq_len
@@ -302,8 +304,12 @@ def throughput_unit(model, args):
 
 
 def leave_process_group():
-    """Destroy the process group, which joins gloo's threads if nothing else holds it (see the imports), then free
-    what reference cycles hold (fsdp.py's sharded modules): while Python is whole, not during its exit (README)."""
+    """Teardown, which atexit runs on every exit path, errors included: free the process group while Python is whole.
+    Destroying the group joins gloo's threads, one of which, still running in Python's shutdown, could abort the
+    process; but only if nothing else holds the group. torch.distributed.nn would: its functions take the default group
+    as a default argument, bound when the module is imported, and torch imports it with the first optimizer. Imported
+    at the top, before any group exists, they hold none. Collecting garbage then frees what reference cycles hold (a
+    sharded model's modules and tensors) while Python is whole, too."""
     dist.destroy_process_group()
     gc.collect()
 
@@ -312,7 +318,7 @@ def setup(args):
     """Prepare this process to train: pick its device and seed the model's initialisation."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
-        local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()  # local rank r uses GPU r
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()  # local rank r uses GPU r
         if local_rank >= gpus:
             fail(f"local rank {local_rank} has no GPU: this node has {gpus}; start at most that many processes per node "
                  f"(--nproc_per_node)")
@@ -377,6 +383,7 @@ def init_weights(model, seed):
         model.init_tensor(name, value, torch.Generator().manual_seed(zlib.crc32(f"{seed} {name}".encode())))
         tensor.copy_(value)
 
+
 def measure_flops(args, data_info, sample):
     """The training FLOPs of one sample as torch counts them (FlopCounterMode: matmuls, convolutions, attention): one
     forward and backward of the model built anew on the meta device, which takes no memory and next to no time."""
@@ -408,17 +415,16 @@ def catch_stop_signals():
     at the time limit or on preemption, Kubernetes, spot instances), torchrun passes it on to its workers, and SLURM
     sends SIGUSR1 ahead of the time limit when asked to (launch_distributed.sh asks)."""
     received = []
-    for name in "SIGTERM", "SIGUSR1":
-        if hasattr(signal, name):  # Windows has no SIGUSR1
-            signal.signal(getattr(signal, name), lambda signum, frame: received.append(signum))
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, lambda signum, frame: received.append(signum))
     return received
+
 
 def ignore_stop_signals(worker_id):
     """How a loader worker starts: it leaves stop signals to the training process, which saves, then ends it. torch's
     workers die of a SIGTERM, and torchrun sends one to every process in each worker's group."""
-    for name in "SIGTERM", "SIGUSR1":
-        if hasattr(signal, name):  # Windows has no SIGUSR1
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_IGN)
 
 
 def stop_requested(received, group):
@@ -463,7 +469,7 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches, args, device)
     """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor:
     reading it with .item() would wait for the GPU, so only logging steps do."""
     total_loss = torch.zeros((), device=device)
-    scale = scaler.get_scale()  # fp16: a read from the device, which the read below left idle (bf16: 1.0, no read)
+    scale = scaler.get_scale()  # fp16: read from the GPU, but no wait: the last step's check below waited (bf16: 1.0)
     for micro_step in range(args.grad_accum):
         inputs, targets = next(micro_batches)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -554,7 +560,7 @@ def load_checkpoint(path, model, optimizer, scheduler, scaler, config, device):
     """Restore the training state in place and return the step to continue from."""
     try:
         state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  torch.load of a bad file raises anything from EOFError to KeyError
         fail(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}")
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
@@ -566,7 +572,7 @@ def load_checkpoint(path, model, optimizer, scheduler, scaler, config, device):
         saved.update({key: value for key, value in group.items() if key != "params"})
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict({**state["scheduler"], "base_lrs": scheduler.base_lrs})
-    if state.get("scaler"):  # only fp16 runs of this script save a scale: the other scripts' checkpoints start afresh
+    if state.get("scaler"):  # only fp16 runs save a scale: a checkpoint without one (bf16, fp32) starts it afresh
         scaler.load_state_dict(state["scaler"])
     for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base_lr * factor(scheduler.last_epoch)  # this run's schedule where the saved one stood

@@ -30,15 +30,17 @@ if torch.__version__ < "2.8":  # compared as versions; checked before the import
     sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.8 or newer, found {torch.__version__}")
 
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before any group exists: imported later, it would keep the default one alive
+import torch.distributed.nn  # here, before any group exists, so that it holds none: see leave_process_group()
 import torch.multiprocessing as mp
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
+# The signals that make a run save a checkpoint, then stop (catch_stop_signals). Windows has no SIGUSR1.
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]
 
 
 # -- configuration ------------------------------------------------------------
@@ -178,7 +180,6 @@ def build_datasets(args):
     return train_set, val_set, {"vocab_size": vocab_size}
 
 
-
 def make_loader(dataset, batch_size, args, **options):
     """A DataLoader of the dataset, as this data needs it. With --workers N, N processes fetch and prefetch batches
     while the training process computes, and stay alive from one epoch to the next: for data that is decoded or
@@ -187,6 +188,7 @@ def make_loader(dataset, batch_size, args, **options):
     if args.workers < 0:
         fail(f"--workers must be zero or more, got {args.workers}")
     return DataLoader(dataset, batch_size, num_workers=args.workers, persistent_workers=args.workers > 0, **options)
+
 
 # -- model --------------------------------------------------------------------
 
@@ -254,7 +256,7 @@ class GPT(nn.Module):
             value.normal_(0.0, 0.02, generator=generator)
 
     # forward() in three parts, the modules registered in the same order: the layers before the blocks, the
-    # blocks, the layers after them. A pipeline stage (pipeline.py) runs the parts it holds.
+    # blocks, the layers after them. A stage of a pipeline-parallel run calls only the parts it holds.
     def forward(self, tokens):
         x = self.embed(tokens)
         for block in self.blocks.values():
@@ -270,7 +272,7 @@ class GPT(nn.Module):
     def flops_per_token(self):
         """Training FLOPs per token as the PaLM paper (appendix B) counts them: 6 per weight of a matmul (forward and
         backward; embeddings are lookups, biases and LayerNorm's scales no matmuls), plus attention's 12 x layers x
-        d_model x seq_len. torch's FlopCounterMode counts the same (tests/test_speed.py)."""
+        d_model x seq_len. torch's FlopCounterMode counts the same."""
         matrices = sum(p.numel() for p in self.parameters() if p.dim() == 2)
         matmul_weights = matrices - self.tok_emb.weight.numel() - self.pos_emb.weight.numel()
         return 6 * matmul_weights + 12 * self.config.n_layers * self.config.d_model * self.config.seq_len
@@ -314,8 +316,12 @@ def free_port():
 
 
 def leave_process_group():
-    """Destroy the process group, which joins gloo's threads if nothing else holds it (see the imports), then free
-    what reference cycles hold (fsdp.py's sharded modules): while Python is whole, not during its exit (README)."""
+    """Teardown, which atexit runs on every exit path, errors included: free the process group while Python is whole.
+    Destroying the group joins gloo's threads, one of which, still running in Python's shutdown, could abort the
+    process; but only if nothing else holds the group. torch.distributed.nn would: its functions take the default group
+    as a default argument, bound when the module is imported, and torch imports it with the first optimizer. Imported
+    at the top, before any group exists, they hold none. Collecting garbage then frees what reference cycles hold (a
+    sharded model's modules and tensors) while Python is whole, too."""
     dist.destroy_process_group()
     gc.collect()
 
@@ -380,6 +386,7 @@ def init_weights(model, seed):
         model.init_tensor(name, value, torch.Generator().manual_seed(zlib.crc32(f"{seed} {name}".encode())))
         tensor.copy_(value)
 
+
 def measure_flops(args, data_info, sample):
     """The training FLOPs of one sample as torch counts them (FlopCounterMode: matmuls, convolutions, attention): one
     forward and backward of the model built anew on the meta device, which takes no memory and next to no time."""
@@ -411,17 +418,16 @@ def catch_stop_signals():
     at the time limit or on preemption, Kubernetes, spot instances), torchrun passes it on to its workers, and SLURM
     sends SIGUSR1 ahead of the time limit when asked to (launch_distributed.sh asks)."""
     received = []
-    for name in "SIGTERM", "SIGUSR1":
-        if hasattr(signal, name):  # Windows has no SIGUSR1
-            signal.signal(getattr(signal, name), lambda signum, frame: received.append(signum))
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, lambda signum, frame: received.append(signum))
     return received
+
 
 def ignore_stop_signals(worker_id):
     """How a loader worker starts: it leaves stop signals to the training process, which saves, then ends it. torch's
     workers die of a SIGTERM, and torchrun sends one to every process in each worker's group."""
-    for name in "SIGTERM", "SIGUSR1":
-        if hasattr(signal, name):  # Windows has no SIGUSR1
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_IGN)
 
 
 def stop_requested(received, group):
@@ -547,7 +553,7 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
     """Restore the training state in place and return the step to continue from."""
     try:
         state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  torch.load of a bad file raises anything from EOFError to KeyError
         fail(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}")
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
@@ -711,9 +717,8 @@ if __name__ == "__main__":
             if process.exitcode is None:  # still running
                 os.kill(process.pid, signum)
 
-    for name in "SIGTERM", "SIGUSR1":
-        if hasattr(signal, name):  # Windows has no SIGUSR1
-            signal.signal(getattr(signal, name), forward)
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, forward)
     try:
         while not context.join(grace_period=5):  # when one fails, the rest have 5 s to exit (on a stop, all do)
             pass

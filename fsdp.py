@@ -33,10 +33,10 @@ if torch.__version__ < "2.8":  # compared as versions; checked before the import
     sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.8 or newer, found {torch.__version__}")
 
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before any group exists: imported later, it would keep the default one alive
+import torch.distributed.nn  # here, before any group exists, so that it holds none: see leave_process_group()
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
@@ -48,6 +48,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
+# The signals that make a run save a checkpoint, then stop (catch_stop_signals). Windows has no SIGUSR1.
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]
 
 
 # -- configuration ------------------------------------------------------------
@@ -188,7 +190,6 @@ def build_datasets(args):
     return train_set, val_set, {"vocab_size": vocab_size}
 
 
-
 def make_loader(dataset, batch_size, args, **options):
     """A DataLoader of the dataset, as this data needs it. With --workers N, N processes fetch and prefetch batches
     while the training process computes, and stay alive from one epoch to the next: for data that is decoded or
@@ -197,6 +198,7 @@ def make_loader(dataset, batch_size, args, **options):
     if args.workers < 0:
         fail(f"--workers must be zero or more, got {args.workers}")
     return DataLoader(dataset, batch_size, num_workers=args.workers, persistent_workers=args.workers > 0, **options)
+
 
 # -- model --------------------------------------------------------------------
 
@@ -264,7 +266,7 @@ class GPT(nn.Module):
             value.normal_(0.0, 0.02, generator=generator)
 
     # forward() in three parts, the modules registered in the same order: the layers before the blocks, the
-    # blocks, the layers after them. A pipeline stage (pipeline.py) runs the parts it holds.
+    # blocks, the layers after them. A stage of a pipeline-parallel run calls only the parts it holds.
     def forward(self, tokens):
         x = self.embed(tokens)
         for block in self.blocks.values():
@@ -280,7 +282,7 @@ class GPT(nn.Module):
     def flops_per_token(self):
         """Training FLOPs per token as the PaLM paper (appendix B) counts them: 6 per weight of a matmul (forward and
         backward; embeddings are lookups, biases and LayerNorm's scales no matmuls), plus attention's 12 x layers x
-        d_model x seq_len. torch's FlopCounterMode counts the same (tests/test_speed.py)."""
+        d_model x seq_len. torch's FlopCounterMode counts the same."""
         matrices = sum(p.numel() for p in self.parameters() if p.dim() == 2)
         matmul_weights = matrices - self.tok_emb.weight.numel() - self.pos_emb.weight.numel()
         return 6 * matmul_weights + 12 * self.config.n_layers * self.config.d_model * self.config.seq_len
@@ -317,8 +319,12 @@ def throughput_unit(model, args):
 
 
 def leave_process_group():
-    """Destroy the process group, which joins gloo's threads if nothing else holds it (see the imports), then free
-    what reference cycles hold (fsdp.py's sharded modules): while Python is whole, not during its exit (README)."""
+    """Teardown, which atexit runs on every exit path, errors included: free the process group while Python is whole.
+    Destroying the group joins gloo's threads, one of which, still running in Python's shutdown, could abort the
+    process; but only if nothing else holds the group. torch.distributed.nn would: its functions take the default group
+    as a default argument, bound when the module is imported, and torch imports it with the first optimizer. Imported
+    at the top, before any group exists, they hold none. Collecting garbage then frees what reference cycles hold (a
+    sharded model's modules and tensors) while Python is whole, too."""
     dist.destroy_process_group()
     gc.collect()
 
@@ -327,7 +333,7 @@ def setup(args):
     """Prepare this process to train: pick its device and seed the model's initialisation."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
-        local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()  # local rank r uses GPU r
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()  # local rank r uses GPU r
         if local_rank >= gpus:
             fail(f"local rank {local_rank} has no GPU: this node has {gpus}; start at most that many processes per node "
                  f"(--nproc_per_node)")
@@ -425,6 +431,7 @@ def init_weights(model, seed):
             value = distribute_tensor(value.to(tensor.device), tensor.device_mesh, tensor.placements, src_data_rank=None)
         tensor.copy_(value)
 
+
 def measure_flops(args, data_info, sample):
     """The training FLOPs of one sample as torch counts them (FlopCounterMode: matmuls, convolutions, attention): one
     forward and backward of the model built anew on the meta device, which takes no memory and next to no time."""
@@ -456,17 +463,16 @@ def catch_stop_signals():
     at the time limit or on preemption, Kubernetes, spot instances), torchrun passes it on to its workers, and SLURM
     sends SIGUSR1 ahead of the time limit when asked to (launch_distributed.sh asks)."""
     received = []
-    for name in "SIGTERM", "SIGUSR1":
-        if hasattr(signal, name):  # Windows has no SIGUSR1
-            signal.signal(getattr(signal, name), lambda signum, frame: received.append(signum))
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, lambda signum, frame: received.append(signum))
     return received
+
 
 def ignore_stop_signals(worker_id):
     """How a loader worker starts: it leaves stop signals to the training process, which saves, then ends it. torch's
     workers die of a SIGTERM, and torchrun sends one to every process in each worker's group."""
-    for name in "SIGTERM", "SIGUSR1":
-        if hasattr(signal, name):  # Windows has no SIGUSR1
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_IGN)
 
 
 def stop_requested(received, group):
@@ -584,8 +590,8 @@ def evaluate(model, loader, device):
 def param_names(model, optimizer):
     """The names of the parameters this process holds (whole, or a shard of each), group by group, in the order its
     optimizer numbers them."""
-    names = {param: name for name, param in model.named_parameters()}
-    return [[names[param] for param in group["params"]] for group in optimizer.param_groups]
+    name_of = {param: name for name, param in model.named_parameters()}
+    return [[name_of[param] for param in group["params"]] for group in optimizer.param_groups]
 
 
 def one_line(error):
@@ -595,7 +601,7 @@ def one_line(error):
 
 
 def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
-    """Every rank writes what it holds (fsdp.py: its shards of every tensor; pipeline.py: its stage's tensors) under
+    """Every rank writes what it holds (its shards of every tensor, or its pipeline stage's whole tensors) under
     the whole model's names, in parallel, into a new directory; then rank 0 points the link `path` at it and removes
     the old one. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint whole (DCP saving into
     the old directory would overwrite it in place). `order` names the whole model's parameters, group by group."""
@@ -612,7 +618,7 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
         group["params"] = names
     try:  # a file per rank, then .metadata: nothing is gathered
         dcp.save(state, checkpoint_id=os.path.join(directory, new))
-    except (Exception, dcp.CheckpointException) as e:  # every rank gets every rank's errors, and stops
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001  any error on any rank: all ranks stop
         fail(f"cannot write checkpoint {os.path.join(directory, new)}: {one_line(e)}")
     if dist.get_rank() == 0:
         with contextlib.suppress(FileNotFoundError):
@@ -632,14 +638,14 @@ def read_checkpoint(path, state):
             return torch.load(path + ".pt", map_location="cpu", weights_only=True, mmap=True)
         dcp.load(state, checkpoint_id=path)  # each rank reads the parts of the files that its tensors need
         return state
-    except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's errors as one BaseException
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001  any error; DCP's (all ranks') is a BaseException
         fail(f"cannot read checkpoint {path + '.pt' if state is None else path}: {one_line(e)}")
 
 
 def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
     """Restore this process's training state in place and return the step to continue from: from the checkpoint at
-    `path`, saved by fsdp.py or pipeline.py on any number of processes (DCP reshards it), or from the checkpoint.pt
-    of another script beside it."""
+    `path`, a directory of tensors saved by any number of processes (DCP reshards it), or from the checkpoint.pt
+    beside it, the whole model in one file (as one-process and DDP runs save it)."""
     whole = os.path.exists(path + ".pt")
     if whole and os.path.exists(path):  # this script resumed another's checkpoint.pt, or another script a conversion
         whole = read_checkpoint(path, None)["step"] > read_checkpoint(path, {"step": 0})["step"]  # the later one
@@ -653,10 +659,10 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
         fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
     if whole:  # a plain optimizer numbers the whole model's parameters in the order of its groups; ours names them
         names = list(itertools.chain(*order))
-        saved = state["optimizer"]
-        saved["state"] = {names[i] if isinstance(i, int) else i: value for i, value in saved["state"].items()}
-        for group in saved["param_groups"]:
-            group["params"] = [names[i] if isinstance(i, int) else i for i in group["params"]]
+        plain = state["optimizer"]
+        plain["state"] = {names[i] if isinstance(i, int) else i: value for i, value in plain["state"].items()}
+        for plain_group in plain["param_groups"]:
+            plain_group["params"] = [names[i] if isinstance(i, int) else i for i in plain_group["params"]]
     else:
         state.update(read_checkpoint(path, {"model": get_model_state_dict(model),
                                             "optimizer": get_optimizer_state_dict(model, optimizer)}))

@@ -33,10 +33,10 @@ if torch.__version__ < "2.10":  # compared as versions; checked before the impor
     sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.10 or newer, found {torch.__version__}")
 
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before any group exists: imported later, it would keep the default one alive
+import torch.distributed.nn  # here, before any group exists, so that it holds none: see leave_process_group()
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -46,6 +46,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
+# The signals that make a run save a checkpoint, then stop (catch_stop_signals). Windows has no SIGUSR1.
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]
 
 
 # -- configuration ------------------------------------------------------------
@@ -188,7 +190,6 @@ def build_datasets(args):
     return train_set, val_set, {"vocab_size": vocab_size}
 
 
-
 def make_loader(dataset, batch_size, args, **options):
     """A DataLoader of the dataset, as this data needs it. With --workers N, N processes fetch and prefetch batches
     while the training process computes, and stay alive from one epoch to the next: for data that is decoded or
@@ -197,6 +198,7 @@ def make_loader(dataset, batch_size, args, **options):
     if args.workers < 0:
         fail(f"--workers must be zero or more, got {args.workers}")
     return DataLoader(dataset, batch_size, num_workers=args.workers, persistent_workers=args.workers > 0, **options)
+
 
 # -- model --------------------------------------------------------------------
 
@@ -264,7 +266,7 @@ class GPT(nn.Module):
             value.normal_(0.0, 0.02, generator=generator)
 
     # forward() in three parts, the modules registered in the same order: the layers before the blocks, the
-    # blocks, the layers after them. A pipeline stage (pipeline.py) runs the parts it holds.
+    # blocks, the layers after them. A stage of a pipeline-parallel run calls only the parts it holds.
     def forward(self, tokens):
         x = self.embed(tokens)
         for block in self.blocks.values():
@@ -280,7 +282,7 @@ class GPT(nn.Module):
     def flops_per_token(self):
         """Training FLOPs per token as the PaLM paper (appendix B) counts them: 6 per weight of a matmul (forward and
         backward; embeddings are lookups, biases and LayerNorm's scales no matmuls), plus attention's 12 x layers x
-        d_model x seq_len. torch's FlopCounterMode counts the same (tests/test_speed.py)."""
+        d_model x seq_len. torch's FlopCounterMode counts the same."""
         matrices = sum(p.numel() for p in self.parameters() if p.dim() == 2)
         matmul_weights = matrices - self.tok_emb.weight.numel() - self.pos_emb.weight.numel()
         return 6 * matmul_weights + 12 * self.config.n_layers * self.config.d_model * self.config.seq_len
@@ -317,8 +319,12 @@ def throughput_unit(model, args):
 
 
 def leave_process_group():
-    """Destroy the process group, which joins gloo's threads if nothing else holds it (see the imports), then free
-    what reference cycles hold (fsdp.py's sharded modules): while Python is whole, not during its exit (README)."""
+    """Teardown, which atexit runs on every exit path, errors included: free the process group while Python is whole.
+    Destroying the group joins gloo's threads, one of which, still running in Python's shutdown, could abort the
+    process; but only if nothing else holds the group. torch.distributed.nn would: its functions take the default group
+    as a default argument, bound when the module is imported, and torch imports it with the first optimizer. Imported
+    at the top, before any group exists, they hold none. Collecting garbage then frees what reference cycles hold (a
+    sharded model's modules and tensors) while Python is whole, too."""
     dist.destroy_process_group()
     gc.collect()
 
@@ -327,7 +333,7 @@ def setup(args):
     """Prepare this process to train: pick its device and seed the model's initialisation."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
-        local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()  # local rank r uses GPU r
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()  # local rank r uses GPU r
         if local_rank >= gpus:
             fail(f"local rank {local_rank} has no GPU: this node has {gpus}; start at most that many processes per node "
                  f"(--nproc_per_node)")
@@ -377,7 +383,7 @@ def peak_flops(device):
     return peaks.get(name)
 
 
-def split_model(model, stage, num_stages, inputs):
+def split_model(model, stage_index, num_stages, inputs):
     """Keep this stage's part of the model and drop the rest: a run of consecutive blocks, as even as their
     number allows, and the modules registered before the blocks on the first stage, after them on the last.
     Returns what each stage holds, by module name, and what this stage takes in and gives out for `inputs`, a
@@ -396,7 +402,7 @@ def split_model(model, stage, num_stages, inputs):
     # Stage s holds blocks ceil(s * n / S) up to ceil((s + 1) * n / S): any left over go to the first stages, not to
     # the last, which also holds the layers after the blocks.
     bounds = [math.ceil(s * len(blocks) / num_stages) for s in range(num_stages + 1)]
-    runs = [blocks[start:end] for start, end in zip(bounds, bounds[1:])]
+    runs = [blocks[start:end] for start, end in itertools.pairwise(bounds)]
     # The whole model's forward on the meta device, cut where the stages meet: shapes and dtypes, with no memory and
     # no arithmetic. Without these examples, PipelineStage finds the shapes by running each stage at the first step,
     # in training mode, on uninitialised inputs: BatchNorm would count them. Run so, piece by piece, the model must call
@@ -430,12 +436,12 @@ def split_model(model, stage, num_stages, inputs):
     parts = [[f"blocks.{name}" for name in run] for run in runs]
     parts[0] = before + parts[0]
     parts[-1] = parts[-1] + after  # the same list as parts[0] in a world of one
-    for name in [name for s, part in enumerate(parts) if s != stage for name in part]:
+    for name in [name for s, part in enumerate(parts) if s != stage_index for name in part]:
         parent, child = name.split(".") if name.startswith("blocks.") else ("", name)
         # Deleted from a ModuleDict, a block leaves the others' names as they were ("blocks.2" stays "blocks.2"): the
-        # stages' state dicts hold the whole model's keys between them, and checkpoints match single_gpu.py's.
+        # stages' state dicts hold the whole model's keys between them, and checkpoints have the unsplit model's keys.
         delattr(model.get_submodule(parent), child)
-    return parts, activations[stage], activations[stage + 1]
+    return parts, activations[stage_index], activations[stage_index + 1]
 
 
 class Stage(nn.Module):
@@ -464,6 +470,7 @@ def init_weights(model, seed):
         value = torch.empty(tensor.shape, dtype=tensor.dtype)
         model.init_tensor(name, value, torch.Generator().manual_seed(zlib.crc32(f"{seed} {name}".encode())))
         tensor.copy_(value)
+
 
 def measure_flops(args, data_info, sample):
     """The training FLOPs of one sample as torch counts them (FlopCounterMode: matmuls, convolutions, attention): one
@@ -496,17 +503,16 @@ def catch_stop_signals():
     at the time limit or on preemption, Kubernetes, spot instances), torchrun passes it on to its workers, and SLURM
     sends SIGUSR1 ahead of the time limit when asked to (launch_distributed.sh asks)."""
     received = []
-    for name in "SIGTERM", "SIGUSR1":
-        if hasattr(signal, name):  # Windows has no SIGUSR1
-            signal.signal(getattr(signal, name), lambda signum, frame: received.append(signum))
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, lambda signum, frame: received.append(signum))
     return received
+
 
 def ignore_stop_signals(worker_id):
     """How a loader worker starts: it leaves stop signals to the training process, which saves, then ends it. torch's
     workers die of a SIGTERM, and torchrun sends one to every process in each worker's group."""
-    for name in "SIGTERM", "SIGUSR1":
-        if hasattr(signal, name):  # Windows has no SIGUSR1
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_IGN)
 
 
 def stop_requested(received, group):
@@ -557,7 +563,7 @@ def train_step(schedule, model, optimizer, scheduler, batches, args, device):
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     losses = []  # filled on the last stage: loss_fn of each micro-batch, whose backward() the schedule runs
     # The first stage takes the inputs, the last the targets; a stage between takes only what its neighbours send.
-    # The schedule then divides the gradients by the micro-batches' number, as / args.grad_accum does in single_gpu.py.
+    # The schedule then divides the gradients by the micro-batches' number, as a loss divided by --grad-accum would.
     schedule.step(*[inputs] if rank == 0 else [], target=targets if rank == last else None, losses=losses,
                   return_outputs=False)
     for loss in losses:
@@ -632,8 +638,8 @@ def evaluate(schedule, model, loader, device):
 def param_names(model, optimizer):
     """The names of the parameters this process holds (whole, or a shard of each), group by group, in the order its
     optimizer numbers them."""
-    names = {param: name for name, param in model.named_parameters()}
-    return [[names[param] for param in group["params"]] for group in optimizer.param_groups]
+    name_of = {param: name for name, param in model.named_parameters()}
+    return [[name_of[param] for param in group["params"]] for group in optimizer.param_groups]
 
 
 def one_line(error):
@@ -643,7 +649,7 @@ def one_line(error):
 
 
 def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
-    """Every rank writes what it holds (fsdp.py: its shards of every tensor; pipeline.py: its stage's tensors) under
+    """Every rank writes what it holds (its shards of every tensor, or its pipeline stage's whole tensors) under
     the whole model's names, in parallel, into a new directory; then rank 0 points the link `path` at it and removes
     the old one. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint whole (DCP saving into
     the old directory would overwrite it in place). `order` names the whole model's parameters, group by group."""
@@ -660,7 +666,7 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
         group["params"] = names
     try:  # a file per rank, then .metadata: nothing is gathered
         dcp.save(state, checkpoint_id=os.path.join(directory, new))
-    except (Exception, dcp.CheckpointException) as e:  # every rank gets every rank's errors, and stops
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001  any error on any rank: all ranks stop
         fail(f"cannot write checkpoint {os.path.join(directory, new)}: {one_line(e)}")
     if dist.get_rank() == 0:
         with contextlib.suppress(FileNotFoundError):
@@ -680,14 +686,14 @@ def read_checkpoint(path, state):
             return torch.load(path + ".pt", map_location="cpu", weights_only=True, mmap=True)
         dcp.load(state, checkpoint_id=path)  # each rank reads the parts of the files that its tensors need
         return state
-    except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's errors as one BaseException
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001  any error; DCP's (all ranks') is a BaseException
         fail(f"cannot read checkpoint {path + '.pt' if state is None else path}: {one_line(e)}")
 
 
 def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
     """Restore this process's training state in place and return the step to continue from: from the checkpoint at
-    `path`, saved by fsdp.py or pipeline.py on any number of processes (DCP reshards it), or from the checkpoint.pt
-    of another script beside it."""
+    `path`, a directory of tensors saved by any number of processes (DCP reshards it), or from the checkpoint.pt
+    beside it, the whole model in one file (as one-process and DDP runs save it)."""
     whole = os.path.exists(path + ".pt")
     if whole and os.path.exists(path):  # this script resumed another's checkpoint.pt, or another script a conversion
         whole = read_checkpoint(path, None)["step"] > read_checkpoint(path, {"step": 0})["step"]  # the later one
@@ -701,10 +707,10 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
         fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
     if whole:  # a plain optimizer numbers the whole model's parameters in the order of its groups; ours names them
         names = list(itertools.chain(*order))
-        saved = state["optimizer"]
-        saved["state"] = {names[i] if isinstance(i, int) else i: value for i, value in saved["state"].items()}
-        for group in saved["param_groups"]:
-            group["params"] = [names[i] if isinstance(i, int) else i for i in group["params"]]
+        plain = state["optimizer"]
+        plain["state"] = {names[i] if isinstance(i, int) else i: value for i, value in plain["state"].items()}
+        for plain_group in plain["param_groups"]:
+            plain_group["params"] = [names[i] if isinstance(i, int) else i for i in plain_group["params"]]
     else:
         state.update(read_checkpoint(path, {"model": get_model_state_dict(model),
                                             "optimizer": get_optimizer_state_dict(model, optimizer)}))
@@ -764,16 +770,17 @@ def main(args):
     optimizer, scheduler = configure_optimizer(model, args, device)
     every_stage_names = [None] * world_size
     dist.all_gather_object(every_stage_names, param_names(model, optimizer))
-    # single_gpu.py's optimizer numbers the parameters group by group; within a group, here, stage after stage.
-    order = [[name for names in every_stage_names for name in names[group]] for group in range(len(optimizer.param_groups))]
+    # An unsplit model's optimizer numbers its parameters group by group, each group in the model's order: here,
+    # stage after stage.
+    order = [[name for names in every_stage_names for name in names[i]] for i in range(len(optimizer.param_groups))]
     num_val = len(val_set)
     val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))  # the same for any world size
     log.info(f"device {device} | {num_params:,} parameters | {len(train_set)} train "
              f"samples | {len(val_set)} of {num_val} validation samples per evaluation")
     log.info(f"global batch {args.batch_size} = {args.grad_accum} micro-batches of {args.batch_size // args.grad_accum} | "
              f"{world_size} stages, one per process | schedule {args.schedule}")
-    for stage, part in enumerate(parts):
-        log.info(f"stage {stage} (rank {stage}): {', '.join(part)}")
+    for stage_index, part in enumerate(parts):
+        log.info(f"stage {stage_index} (rank {stage_index}): {', '.join(part)}")
     idle, slots = world_size - 1, args.grad_accum + world_size - 1
     log.info(f"each stage idles (stages - 1) / (micro-batches + stages - 1) = {idle}/{slots} = {idle / slots:.0%} of a step "
              f"(the bubble): more micro-batches shrink it")
@@ -819,7 +826,7 @@ def main(args):
     # before, and the schedule orders the micro-batches' forward and backward passes: GPipe all forwards, then all
     # backwards; 1F1B one backward after each forward once the pipeline is full, to hold fewer micro-batches'
     # activations. The shapes are split_model's examples: every pass must have them (see evaluate).
-    # torch 2.13 changed the order of the arguments after device: by keyword, the same line runs on earlier versions.
+    # The arguments after device by keyword: their order differs between torch versions.
     stage, eval_stage = [PipelineStage(stage_module, rank, world_size, device, input_args=stage_inputs,
                                        output_args=stage_outputs) for _ in range(2)]
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]

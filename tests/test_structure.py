@@ -11,10 +11,10 @@ SECTION = re.compile(r"^# -- (\w[\w ]*\w) -+$", re.MULTILINE)
 SIBLING_IMPORT = re.compile(r"^\s*(from|import)\s+(single_gpu|dataparallel|ddp_spawn|ddp_torchrun|ddp_amp|fsdp|pipeline)\b",
                             re.MULTILINE)
 # Lines changed against single_gpu.py, both sides counted, as `diff single_gpu.py X.py | grep -c '^[<>]'`.
-MAX_CHANGED_LINES = {"dataparallel.py": 20, "ddp_spawn.py": 140, "ddp_torchrun.py": 105, "ddp_amp.py": 140, "fsdp.py": 310,
-                     "pipeline.py": 420}
+MAX_CHANGED_LINES = {"dataparallel.py": 20, "ddp_spawn.py": 140, "ddp_torchrun.py": 110, "ddp_amp.py": 145, "fsdp.py": 310,
+                     "pipeline.py": 425}
 # Scripts derived from ddp_torchrun.py, and their exact diff against it.
-CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 66, "ddp_amp.py": 47, "fsdp.py": 233}
+CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 65, "ddp_amp.py": 47, "fsdp.py": 233}
 
 
 def source(script):
