@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import ROOT, command, scalars  # noqa: E402
+from conftest import ROOT, command, scalars
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--script", default="single_gpu.py")
@@ -26,7 +26,7 @@ training_flags = ["--max-steps", "200", "--log-every", "20", "--eval-every", "10
 runs = {"eager": [], "--compile": []}
 with tempfile.TemporaryDirectory() as tmp:
     for repeat in range(args.repeats):
-        for mode in runs:  # alternate, so that a slow spell of the machine hits both
+        for mode, results in runs.items():  # alternate, so that a slow spell of the machine hits both
             log_dir = Path(tmp) / f"{mode}-{repeat}"
             start = time.monotonic()
             subprocess.run(command(args.script, args.nproc) + ["--log-dir", str(log_dir), *training_flags] +
@@ -37,7 +37,7 @@ with tempfile.TemporaryDirectory() as tmp:
             # The first interval holds the warm-up (and the compilation): the rest is the steady state.
             steady = {tag: statistics.median(list(tb[tag].values())[1:])
                       for tag in ["train/tokens_per_sec", "train/tflops_per_process", "train/mfu"] if tag in tb}
-            runs[mode].append({"seconds": seconds, **steady})
+            results.append({"seconds": seconds, **steady})
 
 print(f"{args.script}, {args.nproc} process(es), {args.repeats} runs each, medians; flags: {' '.join(training_flags)}")
 for mode, results in runs.items():

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_memory import BIG, FLAGS, LONG, SMALL, peak  # noqa: E402
+from test_memory import BIG, FLAGS, LONG, SMALL, peak
 
 
 def main():

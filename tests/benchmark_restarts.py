@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import ROOT, TINY, kill_a_worker, load, run_command  # noqa: E402
+from conftest import ROOT, TINY, kill_a_worker, load, run_command
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--runs", type=int, default=5, help="killed runs for each setting")

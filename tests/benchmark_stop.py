@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import free_ports, import_script, run, scalars  # noqa: E402
+from conftest import free_ports, import_script, run, scalars
 
 
 def time_checks(rank, nproc, port, calls, results):

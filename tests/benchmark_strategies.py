@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import ROOT, command, injected, scalars  # noqa: E402
+from conftest import ROOT, command, injected, scalars
 
 CONFIGS = ["single_gpu.py", "ddp_torchrun.py", "ddp_amp.py --precision bf16", "ddp_amp.py --precision fp16", "fsdp.py",
            "fsdp.py --precision bf16", "pipeline.py --schedule gpipe", "pipeline.py --schedule 1f1b"]
@@ -51,7 +51,7 @@ def measure(config, nproc, flags, warmup_logs, directory):
     log_dir = Path(directory) / "tb"
     # This environment as it is (unlike the tests': GPUs visible, threads as set), plus the memory report.
     env = {**os.environ, **injected(directory, REPORT_PEAK_MEMORY), "BENCHMARK_SCRIPT": script}
-    result = subprocess.run(command(script, nproc) + own_flags + flags + ["--log-dir", str(log_dir)], env=env, cwd=ROOT,
+    result = subprocess.run(command(script, nproc) + own_flags + flags + ["--log-dir", str(log_dir)], check=False, env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
     if result.returncode != 0:
         sys.exit(f"{config} failed:\n{result.stdout}")
@@ -89,14 +89,16 @@ def main():
                 runs[config].append(measure(config, args.nproc, flags, warmup_logs, tmp))
             print(f"{config}: {runs[config][-1]['train/tokens_per_sec']:,.0f} tokens/s", file=sys.stderr, flush=True)
 
+    def median(results, tag):
+        values = [r[tag] for r in results if tag in r]
+        return statistics.median(values) if values else None
+
     print(f"{'config':<40} {'tokens/s':>10} {'TFLOP/s/proc':>13} {'MFU':>6} {'peak memory/proc':>17}")
     for config, results in runs.items():
-        def median(tag):
-            values = [r[tag] for r in results if tag in r]
-            return statistics.median(values) if values else None
-        mfu = median("train/mfu")
-        memory = f"{median('peak_memory') / 2**30:.2f} GiB {results[0]['memory_kind']}"
-        print(f"{config:<40} {median('train/tokens_per_sec'):>10,.0f} {median('train/tflops_per_process'):>13.3g} "
+        mfu = median(results, "train/mfu")
+        memory = f"{median(results, 'peak_memory') / 2**30:.2f} GiB {results[0]['memory_kind']}"
+        print(f"{config:<40} {median(results, 'train/tokens_per_sec'):>10,.0f} "
+              f"{median(results, 'train/tflops_per_process'):>13.3g} "
               f"{format(mfu, '.0%') if mfu else '-':>6} {memory:>17}")
     print(f"{args.repeats} runs each, {args.nproc} processes for the DDP scripts; tokens/s of the global batch; "
           f"memory: 'cuda' is torch.cuda.max_memory_allocated(), 'rss' the process's peak resident memory")

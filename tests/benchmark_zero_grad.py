@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import ROOT, scalars  # noqa: E402
+from conftest import ROOT, scalars
 
 # Loaded by every process through PYTHONPATH: makes every zero_grad call use the setting under test.
 PATCH = """import os, torch
@@ -34,7 +34,7 @@ results = {"set_to_none=True": [], "set_to_none=False": []}
 with tempfile.TemporaryDirectory() as tmp:
     (Path(tmp) / "sitecustomize.py").write_text(PATCH)
     for repeat in range(args.repeats):
-        for setting in results:  # alternate, so that a slow spell of the machine hits both
+        for setting, runs in results.items():  # alternate, so that a slow spell of the machine hits both
             log_dir = Path(tmp) / f"{setting}-{repeat}"
             env = dict(os.environ, PYTHONPATH=tmp, SET_TO_NONE="1" if setting.endswith("True") else "0",
                        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -42,7 +42,7 @@ with tempfile.TemporaryDirectory() as tmp:
                             str(ROOT / "ddp_torchrun.py"), "--log-dir", str(log_dir), *training_flags],
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=900)
             per_log = scalars(log_dir)["train/tokens_per_sec"]
-            results[setting].append(statistics.median([v for step, v in sorted(per_log.items())][1:]))  # after warm-up
+            runs.append(statistics.median([v for step, v in sorted(per_log.items())][1:]))  # after warm-up
 
 for setting, runs in results.items():
     print(f"{setting:<18} median {statistics.median(runs):>9,.0f} tokens/s, best {max(runs):>9,.0f} "

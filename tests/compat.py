@@ -28,7 +28,7 @@ ERROR = re.compile(r"^.*(?:\w+Error\b|: error: ).*$", re.MULTILINE)
 def venv(release, root):
     """A virtual environment holding torch `release` and what the scripts need besides; its python."""
     python = root / f"torch-{release}" / "bin" / "python"
-    found = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True) \
+    found = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], check=False, capture_output=True, text=True) \
         if python.exists() else None
     if found is None or found.returncode != 0 or found.stdout.split("+")[0].strip() != release:
         print(f"installing torch {release} into {python.parent.parent}", file=sys.stderr)

@@ -5,6 +5,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py"]
@@ -64,6 +66,29 @@ WAIT_FOR_SIGNAL = ("import os, pathlib, signal, threading, time\n"
                    "            time.sleep(0.01)\n"
                    "    return step(self, *args, **kwargs)\n"
                    "torch.optim.AdamW.step = waiting_step\n")
+
+
+# Two tiers. `python -m pytest tests` runs the smoke tier, the tests marked `smoke`: every script trains, its loss
+# falls, it checkpoints and resumes exactly, and the distributed ones reach single_gpu.py's weights, in a few
+# minutes. `--full` runs every test, as CI does. A test file or test named on the command line runs whatever its tier.
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="run every test, not only the smoke tier")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "smoke: in the smoke tier, which runs without --full")
+
+
+def pytest_collection_modifyitems(config, items):
+    named = any(Path(arg.split("::")[0]).is_file() for arg in config.args)
+    if config.getoption("--full") or named:
+        return
+    config.hook.pytest_deselected(items=[item for item in items if not item.get_closest_marker("smoke")])
+    items[:] = [item for item in items if item.get_closest_marker("smoke")]
+
+
+def pytest_report_header(config):
+    return "tier: every test (--full)" if config.getoption("--full") else "tier: smoke (--full runs every test)"
 
 
 @dataclass
@@ -229,13 +254,13 @@ def checkpoint_name(script):
 
 def load(ckpt_dir):
     """The checkpoint in ckpt_dir as one state dict: checkpoint.pt, or fsdp.py's or pipeline.py's DCP directory
-    checkpoint/, converted by the command the README gives."""
+    checkpoint/, converted by the function behind the README's command (in this process: the command itself costs
+    seconds of start-up, and tests/test_fsdp.py runs it)."""
     shards, whole = Path(ckpt_dir) / "checkpoint", Path(ckpt_dir) / "checkpoint.pt"
     assert not (shards.exists() and whole.exists()), f"{ckpt_dir} holds two checkpoints"
     if shards.exists():
         with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch", shards,
-                            Path(tmp) / "checkpoint.pt"], check=True, capture_output=True)
+            dcp_to_torch_save(shards, Path(tmp) / "checkpoint.pt")
             return torch.load(Path(tmp) / "checkpoint.pt", weights_only=True)
     return torch.load(whole, weights_only=True)
 
@@ -260,12 +285,39 @@ class Trained:
     log_dir: Path
 
 
+class Runs(dict):
+    """{script: Trained}, each script run once, when a test first asks for it: one training run per script and
+    configuration, shared by every test that reads it."""
+
+    def __init__(self, tmp_path_factory, *flags):
+        super().__init__()
+        self.tmp_path_factory, self.flags = tmp_path_factory, flags
+
+    def __missing__(self, script):
+        out = self.tmp_path_factory.mktemp(script[:-3])
+        result = run(script, *TINY, *self.flags, "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb")
+        self[script] = Trained(result, out / "ckpt", out / "tb")
+        return self[script]
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    """Each script trained once for STEPS steps on the same config; shared by the tests that read it."""
-    results = {}
-    for script in SCRIPTS:
-        out = tmp_path_factory.mktemp(script[:-3])
-        result = run(script, *TINY, "--max-steps", STEPS, "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb")
-        results[script] = Trained(result, out / "ckpt", out / "tb")
-    return results
+    """Each script trained for STEPS steps on the same config, with a checkpoint at the end."""
+    return Runs(tmp_path_factory, "--max-steps", STEPS)
+
+
+HALF = STEPS // 2
+
+
+@pytest.fixture(scope="session")
+def halfway(tmp_path_factory):
+    """The first HALF steps of `trained`'s run (the schedule still set for STEPS), with a checkpoint at HALF: where
+    the tests that resume start. Copy the checkpoint directory (`resume_in`) before training on from it."""
+    return Runs(tmp_path_factory, "--max-steps", HALF, "--lr-decay-steps", STEPS)
+
+
+def resume_in(run, directory):
+    """A copy of `run`'s checkpoint directory at `directory`, to resume in: the shared run stays as it was."""
+    assert run.run.returncode == 0, run.run.output
+    shutil.copytree(run.ckpt_dir, directory, symlinks=True)  # fsdp.py's and pipeline.py's link, relative, as it is
+    return directory

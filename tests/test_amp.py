@@ -117,8 +117,8 @@ def test_bf16_on_a_gpu_without_it_names_another_precision(monkeypatch, script, a
     joined = []
     monkeypatch.setattr(module.dist, "init_process_group", lambda *a, **k: joined.append(True))
     monkeypatch.setattr(module.atexit, "register", lambda function: None)
-    for name in "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT":  # setup() sets what is missing: undone after the test
-        monkeypatch.setenv(name, os.environ.get(name, "0"))
+    for variable in "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT":  # setup() sets what is missing: undone after
+        monkeypatch.setenv(variable, os.environ.get(variable, "0"))  # the test
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
     args = argparse.Namespace(device=None, precision="bf16", seed=0, timeout=60)
     if fails:

@@ -28,8 +28,8 @@ def fails_cleanly(script, args, message, timeout=30, flags=TINY):
     return result
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-@pytest.mark.parametrize("batch_size", [0, -8])
+# Every script, each of whose processes must stop with the line: a negative batch; zero fails the same comparison.
+@pytest.mark.parametrize("script, batch_size", [(script, -8) for script in SCRIPTS] + [("single_gpu.py", 0)])
 def test_batch_size_must_be_positive(script, batch_size):
     fails_cleanly(script, ["--batch-size", batch_size], f"--batch-size must be positive, got {batch_size}")
 
@@ -125,7 +125,7 @@ def test_missing_data_file(script, tmp_path):
     fails_cleanly(script, ["--data", tmp_path / "missing.txt", "--log-dir", tmp_path], "no such file")
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", ONE_AND_DDP)  # the data section is every script's (tests/test_structure.py)
 def test_empty_data_file(script, tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     fails_cleanly(script, ["--data", tmp_path / "empty.txt", "--log-dir", tmp_path], "has 0 bytes")
@@ -135,7 +135,13 @@ def digest(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+# A script for each checkpointing section: single_gpu.py's, which dataparallel.py and ddp_spawn.py share
+# (tests/test_structure.py), ddp_torchrun.py's ranks, ddp_amp.py's with its scaler, and fsdp.py's and pipeline.py's
+# (the same section, reading a checkpoint.pt on every rank).
+READERS = ["single_gpu.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py"]
+
+
+@pytest.mark.parametrize("script", READERS)
 def test_corrupt_checkpoint_is_reported_and_kept(trained, script, tmp_path):
     # What a crash half-way through a non-atomic write would leave: the first half of the file.
     good = (trained["single_gpu.py"].ckpt_dir / "checkpoint.pt").read_bytes()
@@ -147,7 +153,7 @@ def test_corrupt_checkpoint_is_reported_and_kept(trained, script, tmp_path):
     assert digest(ckpt) == before
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", READERS)
 def test_checkpoint_of_another_model_size_is_reported_and_kept(trained, script, tmp_path):
     ckpt = tmp_path / "checkpoint.pt"
     shutil.copy(trained["single_gpu.py"].ckpt_dir / "checkpoint.pt", ckpt)

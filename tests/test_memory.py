@@ -89,8 +89,8 @@ def test_four_processes_each_hold_a_quarter_and_never_the_whole_model(tmp_path):
     logged, rounding = logged_peaks(output)
     assert max(logged) <= reference + rounding  # the log's figure, taken before the exit, is no more than the OS's
     reference -= peak("single_gpu.py", 1, *SMALL, *FLAGS["single_gpu.py"], "--log-dir", tmp_path / "tb")[0]
-    report = [f"single_gpu.py: {reference / 2**30:.2f} GiB over a small model's run; the weights {whole / 2**30:.2f} "
-              f"GiB, a share {share / 2**30:.3f} GiB, the largest tensor {largest / 2**20:.0f} MiB"]
+    report = [(f"single_gpu.py: {reference / 2**30:.2f} GiB over a small model's run; the weights {whole / 2**30:.2f} "
+              f"GiB, a share {share / 2**30:.3f} GiB, the largest tensor {largest / 2**20:.0f} MiB")]
     for script in "fsdp.py", "pipeline.py":
         flags = [*BIG, *FLAGS[script], "--ckpt-dir", tmp_path / script, "--log-dir", tmp_path / "tb"]
         trained, output = peak(script, 4, *flags, env=env)

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, import_script, kill_a_worker, load, max_param_diff,
-                      run, run_command, scalars)
+from conftest import (HALF, LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, import_script, kill_a_worker, load,
+                      max_param_diff, resume_in, run, run_command, scalars)
 from test_bad_input import fails_cleanly
 from test_training import LOSS_ATOL
 
@@ -118,25 +118,23 @@ def test_validation_is_exact_with_a_short_last_batch(tmp_path):
 
 
 @pytest.mark.parametrize("first, second", [("single_gpu.py", "pipeline.py"), ("pipeline.py", "single_gpu.py")])
-def test_checkpoints_move_to_and_from_single_gpu(trained, first, second, tmp_path):
+def test_checkpoints_move_to_and_from_single_gpu(trained, halfway, first, second, tmp_path):
     """Half a run in one script, the rest in the other: single_gpu.py's checkpoint.pt is read by every stage
     directly, pipeline.py's DCP directory turns into a checkpoint.pt by the README's one command. Either way the
     same weights and AdamW moments as single_gpu.py alone: a stage that took another's moments would part from it
     (or fail on their shapes)."""
-    ckpt_dir = tmp_path / "ckpt"
-    for script, steps in [(first, STEPS // 2), (second, STEPS)]:
-        if script == "single_gpu.py" and first == "pipeline.py":
-            subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
-                            ckpt_dir / "checkpoint", ckpt_dir / "checkpoint.pt"], check=True)
-            shutil.rmtree(ckpt_dir / "checkpoint-000008")
-            (ckpt_dir / "checkpoint").unlink()
-        result = run(script, *TINY, "--max-steps", steps, "--lr-decay-steps", STEPS, "--ckpt-dir", ckpt_dir,
-                     "--log-dir", tmp_path / script)
-        assert result.returncode == 0, result.output
+    ckpt_dir = resume_in(halfway[first], tmp_path / "ckpt")
+    if first == "pipeline.py":
+        subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
+                        ckpt_dir / "checkpoint", ckpt_dir / "checkpoint.pt"], check=True)
+        shutil.rmtree(ckpt_dir / f"checkpoint-{HALF:06d}")
+        (ckpt_dir / "checkpoint").unlink()
+    result = run(second, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / second)
+    assert result.returncode == 0, result.output
     if second == "pipeline.py":
         assert f"reading {ckpt_dir / 'checkpoint'}.pt, the checkpoint of another script" in result.output, result.output
         (ckpt_dir / "checkpoint.pt").unlink()  # the one that pipeline.py resumed from; its own is the later
-    assert f"at step {STEPS // 2}" in result.output, result.output
+    assert f"at step {HALF}" in result.output, result.output
     got, expected = load(ckpt_dir), load(trained["single_gpu.py"].ckpt_dir)
     assert max_param_diff(got["model"], expected["model"]) <= PARAM_ATOL
     same_optimizer_state(got["optimizer"], expected["optimizer"])
@@ -176,7 +174,7 @@ def test_killed_stage_restarts_and_resumes_exactly(tmp_path):
     """SIGKILL the second stage after the first checkpoint, under the launcher: the job restarts, every stage
     reads its part of the checkpoint, and the run ends with the uninterrupted run's weights, bit for bit."""
     steps = 32
-    flags = lambda out: [*TINY, "--max-steps", steps, "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb"]  # noqa: E731
+    flags = lambda out: [*TINY, "--max-steps", steps, "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb"]
     reference = run("pipeline.py", *flags(tmp_path / "reference"))
     assert reference.returncode == 0, reference.output
     out = tmp_path / "killed"

@@ -128,18 +128,18 @@ PartitionName=emulated Nodes=ALL Default=YES State=UP
             subprocess.run(["mungekey", "--create", f"--keyfile={tmp}/munge.key"], check=True, capture_output=True,
                            timeout=30)
             for argv in daemons.values():  # each forks into the background, writes its PID file, and returns
-                started = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+                started = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=30)
                 if started.returncode != 0:
                     pytest.fail(f"{' '.join(argv)} failed: {started.stdout}{started.stderr}\n{daemon_logs(tmp)}")
 
             def idle():
-                states = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%t"], env=env, capture_output=True,
+                states = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%t"], check=False, env=env, capture_output=True,
                                         text=True, timeout=10).stdout.split()
                 return states == ["idle"] * len(NODES)
 
             if not wait_until(idle, 30):
                 pytest.fail(f"the Slurm nodes were not idle 30 s after starting:\n{daemon_logs(tmp)}")
-            version = subprocess.run(["sinfo", "--version"], env=env, capture_output=True, text=True, timeout=10)
+            version = subprocess.run(["sinfo", "--version"], check=False, env=env, capture_output=True, text=True, timeout=10)
             print(f"\n{version.stdout.strip()}: nodes idle {time.monotonic() - start:.1f} s after starting")
             yield env
         finally:
@@ -172,11 +172,11 @@ def test_sbatch_trains_on_two_nodes_like_torchrun_on_one(slurm, trained, tmp_pat
             "--ckpt-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "tb")]
     start = time.monotonic()
     try:
-        sbatch = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT)
+        sbatch = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT)
     except subprocess.TimeoutExpired:
         # Killing sbatch leaves the job running: cancel it, so that no rank outlives the test.
-        subprocess.run(["scancel", f"--name={JOB_NAME}"], env=env, timeout=30)
-        wait_until(lambda: not subprocess.run(["squeue", "--noheader", f"--name={JOB_NAME}"], env=env,
+        subprocess.run(["scancel", f"--name={JOB_NAME}"], check=False, env=env, timeout=30)
+        wait_until(lambda: not subprocess.run(["squeue", "--noheader", f"--name={JOB_NAME}"], check=False, env=env,
                                               capture_output=True, text=True, timeout=10).stdout.strip(), 60)
         pytest.fail(f"the job ran past {JOB_TIMEOUT} s:\n{job_output.read_text() if job_output.exists() else ''}")
     seconds = time.monotonic() - start
@@ -226,7 +226,7 @@ def test_usr1_before_the_time_limit_checkpoints_and_requeues(slurm, trained, tmp
     finally:
         if sbatch.poll() is None:  # killing sbatch leaves the job running: cancel it
             sbatch.kill()
-            subprocess.run(["scancel", f"--name={name}"], env=env, timeout=30)
+            subprocess.run(["scancel", f"--name={name}"], check=False, env=env, timeout=30)
     assert returncode == 0, f"{sbatch.stdout.read()}\n{output()}"
     log = output()  # both starts of the job, one after the other (#SBATCH --open-mode=append)
     assert f"step {stop_at:>5} | stopped by SIGTERM: run again to resume from" in log, log

@@ -20,8 +20,8 @@ def flops_per_token(d_model=32, n_layers=2, seq_len=16, vocab_size=256):
     return 6 * matmul_weights + 12 * n_layers * d_model * seq_len
 
 
-@pytest.mark.parametrize("shape", [dict(d_model=64, n_layers=2, n_heads=4, seq_len=64, vocab_size=64),  # the default
-                                   dict(d_model=768, n_layers=12, n_heads=12, seq_len=1024, vocab_size=50257)])  # GPT-2
+@pytest.mark.parametrize("shape", [{"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64, "vocab_size": 64},  # the default
+                                   {"d_model": 768, "n_layers": 12, "n_heads": 12, "seq_len": 1024, "vocab_size": 50257}])  # GPT-2
 def test_the_gpts_own_flop_count_is_torchs(shape):
     """The GPT's count (6 FLOPs per matmul weight, plus attention's) against torch's FlopCounterMode over a forward
     and backward, which a model section that counts nothing gets: equal, at the default size and GPT-2 small's."""

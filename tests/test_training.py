@@ -10,12 +10,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from conftest import (DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, WARNING, checkpoint_name,
-                      import_script, injected, load, max_param_diff, run, scalars)
+from conftest import (DISTRIBUTED, FP32, HALF, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, WARNING,
+                      checkpoint_name, import_script, injected, load, max_param_diff, resume_in, run, scalars)
 
 LOSS_ATOL = 1e-5
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_trains_logs_and_checkpoints(trained, script):
     result = trained[script]
@@ -43,6 +44,7 @@ def test_trains_logs_and_checkpoints(trained, script):
     assert ckpt["config"] == {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2}
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("script", FP32[1:])
 def test_same_parameters_and_losses_as_single_gpu(trained, script):
     reference, other = trained["single_gpu.py"], trained[script]
@@ -54,6 +56,7 @@ def test_same_parameters_and_losses_as_single_gpu(trained, script):
     assert all(abs(expected[step] - got[step]) <= LOSS_ATOL for step in expected), (expected, got)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("script", DISTRIBUTED)
 def test_validation_is_exact_across_ranks(trained, script):
     """Step 0: every script holds the same initial weights, so 1 and 2 processes must agree on the
@@ -90,28 +93,30 @@ Subset.__getitem__, Subset.__getitems__ = counted_getitem, counted_getitems
 """
 
 
-@pytest.mark.parametrize("script, workers", [("single_gpu.py", 0), ("ddp_torchrun.py", 2), ("pipeline.py", 0)])
-def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, script, workers, tmp_path):
-    half = STEPS // 2
-    ckpt_dir = tmp_path / "ckpt"
-    first = run(script, *TINY, "--max-steps", half, "--lr-decay-steps", STEPS, "--ckpt-dir", ckpt_dir,
-                "--log-dir", tmp_path / "tb1")
-    assert first.returncode == 0, first.output
-    assert load(ckpt_dir)["step"] == half
-
-    # Resumed with loader workers or without: the same numbers.
+# In the smoke tier, a script for each way to save and resume: dataparallel.py and ddp_spawn.py save and load with
+# single_gpu.py's and ddp_torchrun.py's checkpointing section (tests/test_structure.py), so they wait for --full.
+@pytest.mark.parametrize("script", [pytest.param(script, marks=[] if script in ("dataparallel.py", "ddp_spawn.py")
+                                                 else [pytest.mark.smoke]) for script in SCRIPTS])
+def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, script, tmp_path):
+    """Stopped at step HALF with a checkpoint and run again, each script ends on its uninterrupted run's weights,
+    AdamW state and logged losses, bit for bit. ddp_torchrun.py resumes with loader workers: the same numbers."""
+    workers = 2 if script == "ddp_torchrun.py" else 0
+    ckpt_dir = resume_in(halfway[script], tmp_path / "ckpt")
+    assert load(ckpt_dir)["step"] == HALF
     second = run(script, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb2",
                  "--workers", workers, env={**injected(tmp_path, COUNT_FETCHES), "FETCHES": str(tmp_path / "fetches")})
     assert second.returncode == 0, second.output
-    assert f"resumed from {ckpt_dir / checkpoint_name(script)} at step {half}" in second.output
+    assert f"resumed from {ckpt_dir / checkpoint_name(script)} at step {HALF}" in second.output
+    if script in ("fsdp.py", "pipeline.py"):  # the link moved to the new directory, and the old one went
+        assert sorted(p.name for p in ckpt_dir.iterdir()) == ["checkpoint", f"checkpoint-{STEPS:06d}"]
     # Step 8 is 3 steps into an epoch of 5: those 3 steps' samples are skipped by index, never fetched. The run
     # fetches what steps 9 to 16 train on, 8 samples a step (every stage of pipeline.py loads whole batches, and
     # one sample at start-up for its shape), and with workers what they prefetch past each of the 3 epochs it
     # touches: at most 2 workers x 2 batches of 2 samples per rank.
-    fetched, trained_on = len((tmp_path / "fetches").read_text().split()), (STEPS - half) * 8
+    fetched, trained_on = len((tmp_path / "fetches").read_text().split()), (STEPS - HALF) * 8
     if script == "pipeline.py":
         trained_on = 2 * (trained_on + 1)
-    print(f"\n{script} --workers {workers}: resumed at step {half}, fetched {fetched} samples to train on {trained_on}")
+    print(f"\n{script} --workers {workers}: resumed at step {HALF}, fetched {fetched} samples to train on {trained_on}")
     assert fetched == trained_on if workers == 0 else trained_on <= fetched <= trained_on + 3 * 2 * (2 * 2 * 2)
 
     resumed, uninterrupted = load(ckpt_dir), load(trained[script].ckpt_dir)
@@ -124,12 +129,16 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, script, worker
     # The losses logged after the restart are the uninterrupted run's, exactly.
     expected = scalars(trained[script].log_dir)["train/loss"]
     got = scalars(tmp_path / "tb2")["train/loss"]
-    assert got == {step: loss for step, loss in expected.items() if step > half}
+    assert got == {step: loss for step, loss in expected.items() if step > HALF}
 
-    again = run(script, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb3")
+
+@pytest.mark.parametrize("script", ["single_gpu.py", "fsdp.py"])  # a checkpoint.pt, and a DCP directory
+def test_a_finished_run_started_again_trains_no_more(trained, script, tmp_path):
+    ckpt_dir = resume_in(trained[script], tmp_path / "ckpt")
+    again = run(script, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb")
     assert again.returncode == 0, again.output
-    assert "the run is finished" in again.output
-    assert torch.equal(load(ckpt_dir)["model"]["head.weight"], resumed["model"]["head.weight"])
+    assert "the run is finished" in again.output and "step    16 | loss" not in again.output, again.output
+    assert max_param_diff(load(ckpt_dir)["model"], load(trained[script].ckpt_dir)["model"]) == 0
 
 
 def test_checkpoints_move_between_scripts(trained, tmp_path):
@@ -247,7 +256,7 @@ for dataset in train, val:
         dataset[i]
 print(resident("RssAnon") - before[0], mapped() - before[1])
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     own, mapped = map(int, result.stdout.split())
     print(f"40 MiB --data file: {own / 2**20:.1f} MiB of this process's own memory, {mapped / 2**20:.1f} MiB mapped")

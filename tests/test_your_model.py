@@ -197,7 +197,7 @@ def test_a_batch_norm_classifier_trains(script, reference, tmp_path):
     convolutions before BatchNorm, which it cancels, get gradients of rounding noise only, and AdamW turns
     different noise into different steps of full size: seen 0.017 apart (DDP's weights: 1.8)."""
     path = with_classifier(script, tmp_path)
-    result, tb = train(path, tmp_path, "--batch-norm", "--ckpt-dir", tmp_path / "ckpt", tag="bn")
+    _result, tb = train(path, tmp_path, "--batch-norm", "--ckpt-dir", tmp_path / "ckpt", tag="bn")
     print(f"{script} with BatchNorm: held-out accuracy {tb['val/accuracy'][STEPS]:.3f}")
     assert tb["val/accuracy"][STEPS] >= CHANCE + MARGIN, tb["val/accuracy"]
     weights = load(tmp_path / "ckpt")["model"]
@@ -300,7 +300,7 @@ def test_a_resnet_trains_after_the_readmes_adaptation(script, tmp_path):
 
 def test_fsdp_says_what_it_shards_of_a_model_without_blocks(tmp_path):
     path = with_classifier("fsdp.py", tmp_path, RESNET.replace("WRAPPED", "ResNet(**config)"))
-    result, tb = train(path, tmp_path, "--compile", steps=4)
+    result, _tb = train(path, tmp_path, "--compile", steps=4)
     parameters = sum(p.numel() for p in import_script(str(path)).ResNet(4, 8).parameters())
     line = (f"the model has no blocks: FSDP shards it as one unit, which every rank gathers whole "
             f"({parameters * 4 / 2**20:,.1f} MiB) for each forward and backward (see README) "
@@ -310,14 +310,14 @@ def test_fsdp_says_what_it_shards_of_a_model_without_blocks(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     # torchvision's ResNet as it is: no pieces
-    ("ResNet(**config)", "pipeline.py runs a model as embed(), the modules of a ModuleDict named blocks, then output(): "
-                         "ResNet lacks some of them (see README)"),
+    ("ResNet(**config)", ("pipeline.py runs a model as embed(), the modules of a ModuleDict named blocks, then output(): "
+                         "ResNet lacks some of them (see README)")),
     # a forward() that does more than the pieces: here, a dropout only it runs
-    ("Dropped(ResNet(**config))", "forward() does not run as embed(), the blocks in order, then output(): "
-                                  "pipeline.py, which runs those, would train another model (see README)"),
+    ("Dropped(ResNet(**config))", ("forward() does not run as embed(), the blocks in order, then output(): "
+                                  "pipeline.py, which runs those, would train another model (see README)")),
     # the head registered before the blocks: the first stage would keep it, the last would lack it
-    ("HeadFirst(ResNet(**config))", "embed() must run only modules registered before blocks, output() only those "
-                                    "after (see README)"),
+    ("HeadFirst(ResNet(**config))", ("embed() must run only modules registered before blocks, output() only those "
+                                    "after (see README)")),
 ])
 def test_pipeline_refuses_a_model_whose_pieces_are_not_its_forward(change, message, tmp_path):
     variants = '''
