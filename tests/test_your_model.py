@@ -54,6 +54,25 @@ def make_loader(dataset, batch_size, args, **options):
 
 '''
 
+# The model section's functions for a classifier of the images, whichever network it is.
+CLASSIFIED = '''
+
+def loss_fn(logits, labels, reduction="mean"):
+    return F.cross_entropy(logits, labels, reduction=reduction)
+
+
+def count_correct(logits, labels):
+    return (logits.argmax(-1) == labels).sum(), labels.numel()
+
+
+def throughput_unit(model, args):
+    """Images, one per sample; their FLOPs are left to torch to count (None)."""
+    return "images", 1, None
+
+
+
+'''
+
 MODEL = '''
 
 def add_model_args(parser):
@@ -97,20 +116,7 @@ def build_model(args, data_info):
     return ConvNet(**config), config
 
 
-def loss_fn(logits, labels, reduction="mean"):
-    return F.cross_entropy(logits, labels, reduction=reduction)
-
-
-def count_correct(logits, labels):
-    return (logits.argmax(-1) == labels).sum(), labels.numel()
-
-
-def throughput_unit(model, args):
-    """Images, one per sample; their FLOPs are left to torch to count (None)."""
-    return "images", 1, None
-
-
-'''
+''' + CLASSIFIED
 
 SECTION = re.compile(r"^# -- (\w[\w ]*\w) -+$", re.MULTILINE)
 STEPS = 40
@@ -266,19 +272,7 @@ def build_model(args, data_info):
     return WRAPPED, config
 
 
-def loss_fn(logits, labels, reduction="mean"):
-    return F.cross_entropy(logits, labels, reduction=reduction)
-
-
-def count_correct(logits, labels):
-    return (logits.argmax(-1) == labels).sum(), labels.numel()
-
-
-def throughput_unit(model, args):
-    return "images", 1, None
-
-
-'''
+''' + CLASSIFIED
 # The README's adaptation, as a user copies it.
 ADAPTATION = re.search(r"```python\n(class ResNetInPieces\(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL).group(1)
 ADAPTED = RESNET.replace("WRAPPED", "ResNetInPieces(ResNet(**config))") + ADAPTATION + "\n\n"
