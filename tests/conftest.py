@@ -88,7 +88,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    return "tier: every test (--full)" if config.getoption("--full") else "tier: smoke (--full runs every test)"
+    if config.getoption("--full"):
+        return "tier: every test (--full)"
+    return "tier: smoke, or every test of the files named (--full runs every test)"
 
 
 @dataclass
