@@ -9,9 +9,11 @@ import sys
 import tempfile
 
 import pytest
+import torch
+from torch.torch_version import TorchVersion
 
-from conftest import (DISTRIBUTED, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, TORCHRUN, command, injected, load, run,
-                      run_command)
+from conftest import (DISTRIBUTED, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, TORCHRUN, command, import_script,
+                      injected, load, run, run_command)
 
 
 def fails_cleanly(script, args, message, timeout=30, flags=TINY):
@@ -28,22 +30,31 @@ def fails_cleanly(script, args, message, timeout=30, flags=TINY):
     return result
 
 
-# Every script, each of whose processes must stop with the line: a negative batch; zero fails the same comparison.
-@pytest.mark.parametrize("script, batch_size", [(script, -8) for script in SCRIPTS] + [("single_gpu.py", 0)])
-def test_batch_size_must_be_positive(script, batch_size):
-    fails_cleanly(script, ["--batch-size", batch_size], f"--batch-size must be positive, got {batch_size}")
+def refused(script, args, tmp_path, monkeypatch):
+    """The message with which `script` refuses `args`, its checks run in this process: parse_args(), then the data
+    and model sections', in main()'s order. sys.exit's message is the line a run prints before it exits with 1; a
+    subprocess would add seconds of start-up to each check (fails_cleanly's tests hold every script, and every
+    rank, to printing it)."""
+    module = import_script(script)
+    monkeypatch.setattr(sys, "argv", [script, *TINY, "--log-dir", str(tmp_path), *map(str, args)])
+    with pytest.raises(SystemExit) as stop:
+        parsed = module.parse_args()
+        train_set, _val_set, data_info = module.build_datasets(parsed)
+        module.build_model(parsed, data_info)
+        module.make_loader(train_set, parsed.batch_size, parsed)
+    return stop.value.code
 
 
-@pytest.mark.parametrize("script", DISTRIBUTED)
-def test_timeout_must_be_positive(script):
-    # Zero would not mean "no timeout": every connection would give up at once.
-    fails_cleanly(script, ["--timeout", 0], "--timeout must be positive, got 0.0")
+# Every script, each of whose processes must stop with the line.
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_batch_size_must_be_positive(script):
+    fails_cleanly(script, ["--batch-size", -8], "--batch-size must be positive, got -8")
 
 
-# Every number that torch or the arithmetic would reject, or that would silently train nothing. The check
-# is the same code in every script (the tests above run it in each), so one script stands for all here:
-# single_gpu.py, and ddp_spawn.py for its own --timeout (checked before it starts any process).
+# Every number that torch or the arithmetic would reject, or that would silently train nothing. The check is the
+# same code in every script, as the test above shows; the data and model sections check their own flags.
 @pytest.mark.parametrize("script, flag, value, message", [
+    ("single_gpu.py", "--batch-size", 0, "--batch-size must be positive, got 0"),
     ("single_gpu.py", "--lr", -1, "--lr must be positive, got -1.0"),
     ("single_gpu.py", "--lr", "nan", "--lr must be positive, got nan"),
     ("single_gpu.py", "--lr", 0, "--lr must be positive, got 0.0"),
@@ -52,15 +63,16 @@ def test_timeout_must_be_positive(script):
     ("single_gpu.py", "--warmup-steps", -1, "--warmup-steps must be zero or more, got -1"),
     ("single_gpu.py", "--lr-decay-steps", 0, "--lr-decay-steps must be positive, got 0"),
     ("single_gpu.py", "--eval-batches", 0, "--eval-batches must be positive, got 0"),
-    ("ddp_spawn.py", "--timeout", "inf", "--timeout must be positive, got inf"),  # a timedelta would overflow
-    # The data and model sections check their own flags.
+    # Zero would not mean "no timeout": every connection would give up at once; infinity overflows a timedelta.
+    *[(script, "--timeout", 0, "--timeout must be positive, got 0.0") for script in DISTRIBUTED],
+    ("ddp_spawn.py", "--timeout", "inf", "--timeout must be positive, got inf"),
     ("single_gpu.py", "--seq-len", 0, "--seq-len must be positive, got 0"),
-    ("ddp_torchrun.py", "--workers", -1, "--workers must be zero or more, got -1"),
+    ("single_gpu.py", "--workers", -1, "--workers must be zero or more, got -1"),
     ("single_gpu.py", "--n-layers", 0, "--n-layers must be positive, got 0"),
     ("single_gpu.py", "--n-heads", -2, "--n-heads must be positive, got -2"),
 ])
-def test_numbers_out_of_range(script, flag, value, message):
-    fails_cleanly(script, [flag, value], message)
+def test_numbers_out_of_range(script, flag, value, message, tmp_path, monkeypatch):
+    assert refused(script, [flag, value], tmp_path, monkeypatch) == f"{script}: error: {message}"
 
 
 # Where the check is code every script shares, single_gpu.py and ddp_torchrun.py (each of its ranks checks,
@@ -120,7 +132,7 @@ def test_batch_size_must_split_evenly(script):
     fails_cleanly(script, ["--batch-size", batch], f"--batch-size {batch} is not divisible by")
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", ONE_AND_DDP)  # the data section is every script's (tests/test_structure.py)
 def test_missing_data_file(script, tmp_path):
     fails_cleanly(script, ["--data", tmp_path / "missing.txt", "--log-dir", tmp_path], "no such file")
 
@@ -229,21 +241,26 @@ def readme_floors():
     return {script: (int(major), int(minor)) for script, major, minor in rows}
 
 
-def with_torch_version(script, version, tmp_path):
-    """`script --help` in a process whose torch.__version__ says `version` from start-up."""
-    env = injected(tmp_path, f"import torch\nfrom torch.torch_version import TorchVersion\n"
-                             f"torch.__version__ = TorchVersion({version!r})\n")
-    return run_command([sys.executable, str(ROOT / script), "--help"], env=env, timeout=60)
-
-
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_too_old_a_torch_is_refused_in_one_line(script, tmp_path):
-    """The release before the script's floor in the README (faked) stops it with one line naming both versions, before
-    the imports that such a torch may lack; the floor's own first release (faked too) passes the check."""
+def test_too_old_a_torch_is_refused(script, monkeypatch):
+    """The release before the script's floor in the README (faked in this process) stops its import with the line
+    naming both versions, before the imports that such a torch may lack; the floor's own first release passes."""
     major, minor = readme_floors()[script]
     older = f"{major}.{minor - 1}.0+cu124"
-    result = with_torch_version(script, older, tmp_path)
-    assert result.returncode != 0
-    assert result.output.strip() == f"{script}: error: this script needs torch {major}.{minor} or newer, found {older}"
-    result = with_torch_version(script, f"{major}.{minor}.0+cu124", tmp_path)
-    assert result.returncode == 0 and result.output.startswith("usage: "), result.output
+    monkeypatch.setattr(torch, "__version__", TorchVersion(older))
+    with pytest.raises(SystemExit) as stop:
+        import_script(script)
+    assert stop.value.code == f"{script}: error: this script needs torch {major}.{minor} or newer, found {older}"
+    monkeypatch.setattr(torch, "__version__", TorchVersion(f"{major}.{minor}.0+cu124"))
+    import_script(script)
+
+
+def test_too_old_a_torch_prints_one_line_and_nothing_else(tmp_path):
+    """What the user sees of the refusal above: that line alone, from a process whose torch says so from start-up."""
+    major, minor = readme_floors()["single_gpu.py"]
+    older = f"{major}.{minor - 1}.0+cu124"
+    env = injected(tmp_path, f"import torch\nfrom torch.torch_version import TorchVersion\n"
+                             f"torch.__version__ = TorchVersion({older!r})\n")
+    result = run_command([sys.executable, str(ROOT / "single_gpu.py"), "--help"], env=env, timeout=60)
+    assert result.returncode == 1
+    assert result.output == f"single_gpu.py: error: this script needs torch {major}.{minor} or newer, found {older}\n"
