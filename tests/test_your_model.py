@@ -6,7 +6,6 @@ README's adaptation; without it, fsdp.py says what it shards and pipeline.py ref
 import re
 
 import pytest
-import torch
 
 from conftest import (DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, WARNING, checkpoint_name, import_script, load,
                       max_param_diff, run, scalars)
@@ -77,19 +76,17 @@ MODEL = '''
 
 def add_model_args(parser):
     parser.add_argument("--width", type=int, default=16, help="channels of the first convolution")
-    parser.add_argument("--batch-norm", action="store_true", help="BatchNorm after each convolution")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout before the head (0: none)")
 
 
 class ConvNet(nn.Module):
-    def __init__(self, num_classes, width, batch_norm, dropout):
+    def __init__(self, num_classes, width, dropout):
         super().__init__()
-        norm = nn.BatchNorm2d if batch_norm else lambda channels: nn.Identity()
         # The repeated layers in a container named blocks, as in the GPT: fsdp.py shards each block alone, and
         # pipeline.py gives each stage some of them.
         self.blocks = nn.ModuleDict({
-            "0": nn.Sequential(nn.Conv2d(1, width, 3, padding=1), norm(width), nn.ReLU()),
-            "1": nn.Sequential(nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), norm(2 * width), nn.ReLU()),
+            "0": nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU()),
+            "1": nn.Sequential(nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), nn.ReLU()),
         })
         self.pool = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Dropout(dropout))
         self.head = nn.Linear(2 * width, num_classes)
@@ -111,8 +108,7 @@ class ConvNet(nn.Module):
 def build_model(args, data_info):
     if not 0 <= args.dropout < 1:
         fail(f"--dropout must be at least 0 and below 1, got {args.dropout}")
-    config = {"num_classes": data_info["num_classes"], "width": args.width, "batch_norm": args.batch_norm,
-              "dropout": args.dropout}
+    config = {"num_classes": data_info["num_classes"], "width": args.width, "dropout": args.dropout}
     return ConvNet(**config), config
 
 
@@ -123,7 +119,7 @@ STEPS = 40
 FLAGS = ["--batch-size", 32, "--grad-accum", 2, "--lr", 2e-2, "--warmup-steps", 4, "--log-every", 10,
          "--eval-every", 20, "--ckpt-every", 20, "--seed", 3]
 CHANCE = 0.25  # 4 classes
-MARGIN = 0.35  # held-out accuracy must reach 0.60. Measured: 0.745 in every script, 0.80 to 0.82 with BatchNorm
+MARGIN = 0.35  # held-out accuracy must reach 0.60. Measured: 0.745 in every script; the ResNet 0.765 alone, 0.80 on 2 processes
 
 
 def with_classifier(script, directory, model=MODEL):
@@ -143,18 +139,6 @@ def train(path, tmp_path, *flags, steps=STEPS, tag="run"):
     assert result.returncode == 0, result.output
     assert not WARNING.search(result.output), result.output
     return result, scalars(tmp_path / f"tb-{tag}")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """single_gpu.py with the classifier, uninterrupted, without and with BatchNorm."""
-    tmp_path = tmp_path_factory.mktemp("reference")
-    path = with_classifier("single_gpu.py", tmp_path)
-    runs = {}
-    for name, flags in [("plain", []), ("batch_norm", ["--batch-norm"])]:
-        train(path, tmp_path, "--ckpt-dir", tmp_path / name, *flags, tag=name)
-        runs[name] = load(tmp_path / name)["model"]
-    return runs
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -186,37 +170,11 @@ def test_a_classifier_trains_checkpoints_resumes_and_matches_single_gpu(script, 
         assert value * 1e12 == pytest.approx(images_per_sec[step] * flops / world_size, rel=1e-5)
 
     ckpt = load(ckpt_dir)
-    assert ckpt["config"] == {"num_classes": 4, "width": 16, "batch_norm": False, "dropout": 0.0}
+    assert ckpt["config"] == {"num_classes": 4, "width": 16, "dropout": 0.0}
     assert ckpt["step"] == STEPS
-    difference = max_param_diff(ckpt["model"], reference["plain"])
+    difference = max_param_diff(ckpt["model"], reference["convnet"])
     print(f"{script}: largest difference from single_gpu.py's weights {difference:.2g}")
     if script in FP32:  # ddp_amp.py's 16-bit forward rounds differently: its accuracy above is the test
-        assert difference <= PARAM_ATOL
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_batch_norm_classifier_trains(script, reference, tmp_path):
-    """BatchNorm normalises with the statistics of each forward pass's own samples: 16 in single_gpu.py
-    (2 micro-batches of the global 32), 8 in each process of the distributed ones (2 processes x 2), so their
-    weights move away from single_gpu.py's while training works as well. dataparallel.py on a CPU is
-    single_gpu.py. pipeline.py's stages normalise single_gpu.py's micro-batches of 16, but the biases of the
-    convolutions before BatchNorm, which it cancels, get gradients of rounding noise only, and AdamW turns
-    different noise into different steps of full size: seen 0.017 apart (DDP's weights: 1.8)."""
-    path = with_classifier(script, tmp_path)
-    _result, tb = train(path, tmp_path, "--batch-norm", "--ckpt-dir", tmp_path / "ckpt", tag="bn")
-    print(f"{script} with BatchNorm: held-out accuracy {tb['val/accuracy'][STEPS]:.3f}")
-    assert tb["val/accuracy"][STEPS] >= CHANCE + MARGIN, tb["val/accuracy"]
-    weights = load(tmp_path / "ckpt")["model"]
-    assert "blocks.0.1.running_mean" in weights
-    difference = max_param_diff(weights, reference["batch_norm"])
-    print(f"{script} with BatchNorm: largest difference from single_gpu.py's weights {difference:.2g}")
-    if script == "pipeline.py":
-        assert difference <= 0.1
-        for name in "blocks.0.1.num_batches_tracked", "blocks.1.1.num_batches_tracked":  # no forward pass but training's
-            assert torch.equal(weights[name], reference["batch_norm"][name]), name
-    elif script in DISTRIBUTED:
-        assert difference > 100 * PARAM_ATOL
-    else:
         assert difference <= PARAM_ATOL
 
 
@@ -278,10 +236,27 @@ ADAPTATION = re.search(r"```python\n(class ResNetInPieces\(.*?)```", (ROOT / "RE
 ADAPTED = RESNET.replace("WRAPPED", "ResNetInPieces(ResNet(**config))") + ADAPTATION + "\n\n"
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """single_gpu.py's weights at the end of an uninterrupted run, with the classifier and with the ResNet."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    weights = {}
+    for name, model in [("convnet", MODEL), ("resnet", ADAPTED)]:
+        (tmp_path / name).mkdir()
+        train(with_classifier("single_gpu.py", tmp_path / name, model), tmp_path, "--ckpt-dir", tmp_path / name / "ckpt",
+              tag=name)
+        weights[name] = load(tmp_path / name / "ckpt")["model"]
+    return weights
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_resnet_trains_after_the_readmes_adaptation(script, tmp_path):
+def test_a_resnet_with_batch_norm_trains_after_the_readmes_adaptation(script, reference, tmp_path):
+    """BatchNorm normalises with the statistics of each forward pass's own samples: 16 in single_gpu.py (2
+    micro-batches of the global 32), 8 in each process of the DDP and FSDP scripts (2 processes x 2), so their
+    weights move away from single_gpu.py's while training works as well. dataparallel.py on a CPU is single_gpu.py,
+    and pipeline.py's stages normalise single_gpu.py's micro-batches."""
     path = with_classifier(script, tmp_path, ADAPTED)
-    result, tb = train(path, tmp_path)
+    result, tb = train(path, tmp_path, "--ckpt-dir", tmp_path / "ckpt")
     print(f"{script}, ResNet: held-out accuracy {tb['val/accuracy'][STEPS]:.3f}")
     assert tb["val/accuracy"][STEPS] >= CHANCE + MARGIN, tb["val/accuracy"]
     assert tb["val/loss"][STEPS] < tb["val/loss"][0] - 0.5, tb["val/loss"]
@@ -290,6 +265,17 @@ def test_a_resnet_trains_after_the_readmes_adaptation(script, tmp_path):
     if script == "pipeline.py":  # split between residual blocks, the stem on the first stage, the head on the last
         assert "stage 0 (rank 0): stem, blocks.0, blocks.1\n" in result.output, result.output
         assert "stage 1 (rank 1): blocks.2, blocks.3, head\n" in result.output, result.output
+    weights = load(tmp_path / "ckpt")["model"]
+    assert "stem.1.running_mean" in weights, list(weights)
+    # Relative to a tensor's largest value where it exceeds 1: BatchNorm's running variances reach 34 here, where
+    # fp32's values are 4e-6 apart (pipeline.py's differ by 2 of those steps, its weights by 2.4e-7).
+    ref = reference["resnet"]
+    difference = max(((weights[name] - ref[name]).abs().max() / ref[name].abs().max().clamp(min=1)).item() for name in ref)
+    print(f"{script}, ResNet: largest difference from single_gpu.py's weights and buffers {difference:.2g}")
+    if script in ("ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py"):
+        assert difference > 100 * PARAM_ATOL
+    else:
+        assert difference <= PARAM_ATOL
 
 
 def test_fsdp_says_what_it_shards_of_a_model_without_blocks(tmp_path):
