@@ -34,8 +34,9 @@ single_gpu.py and dataparallel.py (one process) and ddp_spawn.py (starts its own
 every other script (ddp_torchrun.py, ddp_amp.py, fsdp.py, pipeline.py) with torchrun, in any mode.
 
 options:
-  --check      run a communication check across every rank (all_reduce, broadcast, bandwidth) with
-               the same launch; then SCRIPT, if one is given and the check passed
+  --check      run a communication check across every rank (all_reduce, broadcast, bandwidth, and a
+               gloo group as the scripts make beside NCCL) with the same launch; then SCRIPT, if one is
+               given and the check passed
   --dry-run    print the commands, run nothing
   -h, --help   this text
 
@@ -85,6 +86,11 @@ sent = torch.arange(1024, dtype=torch.float32, device=device) * (1 if rank == 0 
 dist.broadcast(sent, src=0)
 if not torch.equal(sent.cpu(), torch.arange(1024, dtype=torch.float32)):
     errors.append("broadcast from rank 0 arrived changed")
+# The scripts ask whether to stop over a gloo group of their own, beside NCCL on GPUs: gloo must reach every node too.
+counted = torch.ones(1)
+dist.all_reduce(counted, group=dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60)))
+if counted.item() != world_size:
+    errors.append(f"all_reduce over a gloo group gave {counted.item():g}, expected {world_size}")
 reports = [None] * world_size
 dist.all_gather_object(reports, (socket.gethostname(), errors))
 failed = [f"rank {r} on {host}: " + "; ".join(errs) for r, (host, errs) in enumerate(reports) if errs]
@@ -113,7 +119,7 @@ if rank == 0:
     noun = ("node" if nodes == 1 else "nodes") + " x " + str(per_node) + (" process" if per_node == 1 else " processes")
     bus_bandwidth = size_mib * 2**20 * 2 * (world_size - 1) / world_size / seconds / 1e9  # as nccl-tests count it
     print(f"check passed: world size {world_size} ({nodes} {noun}), backend {backend}: "
-          "all_reduce and broadcast correct on every rank")
+          "all_reduce and broadcast correct on every rank, and all_reduce over a gloo group")
     print(f"all_reduce of {size_mib} MiB: {seconds * 1e3:.1f} ms, bus bandwidth {bus_bandwidth:.2f} GB/s")
 '
 
@@ -168,9 +174,10 @@ else
 fi
 
 # Fail now, not after the join timeout: the rendezvous host must resolve, and unless it is this machine,
-# gloo's workers need this node's own name to resolve to an address other nodes can reach.
+# gloo needs this node's own name to resolve to an address of this node that other nodes can reach. Every
+# distributed script uses gloo, on GPU nodes too: beside NCCL, its stop check (a signal to save and stop).
 CHECK_ADDRESSES='
-import ipaddress, socket, sys
+import ipaddress, os, socket, sys
 
 def addresses(host):
     return {ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None)}
@@ -186,11 +193,20 @@ try:
     own = addresses(name)
 except OSError:
     own = set()
-gloo = sys.argv[2] == "0"  # no GPU here: gloo listens on the address this node\x27s name resolves to
-if gloo and own and all(a.is_loopback for a in own) and not all(a.is_loopback for a in rendezvous):
+fix = ("map it to the node\x27s network address in /etc/hosts, or set GLOO_SOCKET_IFNAME to its network interface "
+       "(NCCL_SOCKET_IFNAME too, if NCCL picks a wrong one)")
+if os.environ.get("GLOO_SOCKET_IFNAME") or not own or all(a.is_loopback for a in rendezvous):
+    sys.exit(0)  # gloo uses the interface named, or torchrun and gloo will say what they cannot resolve, or one machine
+if all(a.is_loopback for a in own):
     sys.exit(f"{error}this node\x27s name {name} ({socket.gethostname()}) resolves to {min(own, key=str)}, which other "
-             "nodes cannot reach (a loopback address): map it to the node\x27s network address in /etc/hosts, "
-             "or set GLOO_SOCKET_IFNAME to its network interface")
+             f"nodes cannot reach (a loopback address): {fix}")
+for address in own:  # gloo listens on it: it must be one of this node\x27s own
+    with socket.socket(socket.AF_INET6 if address.version == 6 else socket.AF_INET) as probe:
+        try:
+            probe.bind((str(address), 0))
+        except OSError as e:
+            sys.exit(f"{error}this node\x27s name {name} ({socket.gethostname()}) resolves to {address}, where gloo "
+                     f"cannot listen ({e.strerror}): {fix}")
 '
 
 gpus_here() {
@@ -206,7 +222,7 @@ case "$mode" in
         [[ -n "${MASTER_ADDR:-}" ]] || die "NNODES=$NNODES needs MASTER_ADDR, the host of the rendezvous"
         [[ "$runner" == torchrun ]] || die "$(basename -- "$script") runs on one node; use ddp_torchrun.py for NNODES > 1"
         gpus=$(gpus_here)
-        "$PYTHON" -c "$CHECK_ADDRESSES" "$MASTER_ADDR" "$gpus" || exit
+        "$PYTHON" -c "$CHECK_ADDRESSES" "$MASTER_ADDR" || exit
         conf="join_timeout=$JOIN_TIMEOUT"
         if [[ -n "${NODE_RANK:-}" ]]; then
             conf+=",is_host=$( ((NODE_RANK == 0)) && echo true || echo false)"
@@ -227,7 +243,7 @@ case "$mode" in
         # GPUs of the allocation; with --gres=gpu:N neither variable is set, but this node's GPUs are its own.
         gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-$(gpus_here)}}
         gpus=${gpus##*:}  # SLURM_GPUS_PER_NODE may read "a100:4"
-        "$PYTHON" -c "$CHECK_ADDRESSES" "$head" "$gpus" || exit
+        "$PYTHON" -c "$CHECK_ADDRESSES" "$head" || exit
         endpoint=$head:${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
         rendezvous=(--nnodes="$nodes" --rdzv-backend=c10d --rdzv-endpoint="$endpoint"
                     --rdzv-id="$SLURM_JOB_ID" --rdzv-conf="join_timeout=$JOIN_TIMEOUT")

@@ -244,17 +244,27 @@ def test_check_on_two_machines(namespaces, tmp_path):
     assert_check_passed(run_nodes(*on_two_machines(*namespaces, "--check"), tmp_path))
 
 
-def test_node_whose_name_means_loopback_is_refused(namespaces, tmp_path):
-    """Debian names a machine 127.0.1.1 in /etc/hosts. torchrun would hand that name to the other node's
-    workers, which would wait on their own loopback until the timeout: the launcher refuses at once."""
+# A GPU node (8 GPUs, faked for the launcher's count) or a CPU one: gloo is used on both, beside NCCL on GPUs. Its
+# name resolves to loopback (Debian names a machine 127.0.1.1 in /etc/hosts), or to an address of another machine.
+@pytest.mark.parametrize("gpus, address, reason", [
+    (0, "127.0.1.1", "which other nodes cannot reach (a loopback address)"),
+    (8, "127.0.1.1", "which other nodes cannot reach (a loopback address)"),
+    (8, "10.77.0.99", "where gloo cannot listen (Cannot assign requested address)")])
+def test_node_whose_name_gloo_cannot_use_is_refused(namespaces, tmp_path, gpus, address, reason):
+    """torchrun would hand that name to the other node's workers, which would wait on an address nobody listens on
+    until the timeout; gloo would fail to start on one not this node's: the launcher refuses at once."""
     names, _ = namespaces
     hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1 localhost\n127.0.1.1 node1\n10.77.0.2 node2\n")
+    hosts.write_text(f"127.0.0.1 localhost\n{address} node1\n10.77.0.2 node2\n")
     commands, envs = on_two_machines({"node1": names["node1"]}, hosts, "ddp_torchrun.py")
-    [node] = run_nodes(commands, [{**envs[0], "MASTER_ADDR": "node2"}], tmp_path)
+    env = {**envs[0], "MASTER_ADDR": "node2"}
+    if gpus:
+        env.update(injected(tmp_path, f"import torch\ntorch.cuda.device_count = lambda: {gpus}\n"))
+    [node] = run_nodes(commands, [env], tmp_path)
     assert node.returncode == 1
-    assert node.output.strip() == ("launch_distributed.sh: error: this node's name node1 (node1) resolves to 127.0.1.1, "
-                                   "which other nodes cannot reach (a loopback address): map it to the node's network "
-                                   "address in /etc/hosts, or set GLOO_SOCKET_IFNAME to its network interface")
+    assert node.output.strip() == (f"launch_distributed.sh: error: this node's name node1 (node1) resolves to {address}, "
+                                   f"{reason}: map it to the node's network address in /etc/hosts, or set "
+                                   "GLOO_SOCKET_IFNAME to its network interface (NCCL_SOCKET_IFNAME too, if NCCL picks "
+                                   "a wrong one)"), node.output
     # The bound tells "at once" from a wait for the join timeout (60 s), with room for a busy machine.
     assert node.seconds < 30, f"refused after {node.seconds:.0f} s, not at once"
