@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -46,6 +47,13 @@ STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasa
 def fail(message):
     """Exit with a one-line error and no traceback: bad input is for the user to fix."""
     sys.exit(f"{os.path.basename(__file__)}: error: {message}")
+
+
+def causes(error):
+    """`error`, then the errors it was raised from or while handling: torch often reports a failure as another."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
 
 
 def parse_args():
@@ -457,22 +465,26 @@ def diverged(step, what):
          f"with a lower --grad-clip")
 
 
-def out_of_memory(step, micro_batch, args, device):
-    """Stop a run that ran out of memory in a training step, saying what to change. Nothing changes by itself: a
-    smaller batch would train differently, without a word to the user."""
-    if device.type == "cuda":
+def out_of_memory(error, where, micro_batch, args, device):
+    """Stop a run that ran out of memory, saying what to change. Nothing changes by itself: a smaller batch would
+    train differently, without a word to the user."""
+    peak = f"{(peak_memory(device) or math.nan) / 2**30:.2f} GiB"  # nan on Windows
+    if device.type == "cuda":  # reserved: what the allocator holds, in use or cached; the failed request is not in either
         total = torch.cuda.get_device_properties(device).total_memory
+        peak += f" allocated, {torch.cuda.max_memory_reserved(device) / 2**30:.2f} GiB reserved"
     else:  # the machine's memory
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else math.nan
-    peak = peak_memory(device) or math.nan  # None on Windows
+        peak += " resident"
+    request = re.search(r"Tried to allocate [\d.]+ \w+", " ".join(map(str, causes(error))))  # its allocator's words, maybe wrapped
     factor = min((f for f in range(2, micro_batch + 1) if micro_batch % f == 0), default=None)  # 2 if it is even
     if factor:
         advice = (f"--grad-accum {args.grad_accum * factor} trains the same, {args.batch_size} samples a step, on "
                   f"micro-batches of {micro_batch // factor}")
     else:
         advice = "one sample is the smallest micro-batch: the model must take less memory"
-    fail(f"out of memory in step {step + 1}, on micro-batches of {micro_batch} samples per process, at a peak of "
-         f"{peak / 2**30:.2f} of {total / 2**30:.1f} GiB on {device}: {advice}")
+    fail(f"out of memory in {where}, on micro-batches of {micro_batch} samples per process" +
+         (f" (t{request[0][1:]})" if request else "") + f": a peak of {peak}, of {total / 2**30:.1f} GiB on {device}: "
+         f"{advice}")
 
 
 # -- evaluation ---------------------------------------------------------------
@@ -500,15 +512,21 @@ def evaluate(model, loader, device):
 
 def save_checkpoint(path, model, optimizer, scheduler, step, config):
     """Write to a temporary file, then rename it over the old one: a crash mid-write leaves the
-    previous checkpoint intact."""
+    previous checkpoint intact. A failed write (a full disk, a quota, a vanished mount) ends the run
+    in one line, and removes the partial file, which would hold the space the next try needs."""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except Exception as error:  # noqa: BLE001  torch.save raises RuntimeError, with the OSError as its context
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        fail(f"cannot write checkpoint {path}: {next((e for e in causes(error) if isinstance(e, OSError)), error)}")
 
 
 def load_checkpoint(path, model, optimizer, scheduler, config, device):
@@ -599,7 +617,10 @@ def main(args):
     with SummaryWriter(args.log_dir) as writer, profiler:  # closed, and so flushed, on every exit path
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
-                val_loss, val_accuracy = evaluate(dp_model, val_loader, device)
+                try:
+                    val_loss, val_accuracy = evaluate(dp_model, val_loader, device)
+                except torch.cuda.OutOfMemoryError as error:  # a GPU's; on a CPU the OS ends a process that runs out
+                    out_of_memory(error, f"evaluation at step {step}", per_process_batch_size, args, device)
                 log.info(f"step {step:>5} | val loss {val_loss:.4f} | val accuracy {val_accuracy:.4f}")
                 writer.add_scalar("val/loss", val_loss, step)
                 writer.add_scalar("val/accuracy", val_accuracy, step)
@@ -612,11 +633,13 @@ def main(args):
                 micro_batches = iter(train_loader)
             try:
                 loss = train_step(dp_model, optimizer, scheduler, micro_batches, args, device)
-            except torch.cuda.OutOfMemoryError:  # a GPU's; on a CPU the OS ends a process that runs out
-                out_of_memory(step, per_process_batch_size, args, device)
+            except torch.cuda.OutOfMemoryError as error:
+                out_of_memory(error, f"step {step + 1}", per_process_batch_size, args, device)
             step += 1
             if args.profile:
                 profiler.step()
+            # Asked before the logging step's wait for the device: a process that failed in this step is seen here.
+            stop = stop_requested(received) if step < args.max_steps else 0  # at the last step: finish
 
             if step % args.log_every == 0 or step == args.max_steps:
                 train_loss = loss.item()  # waits for the device to finish: read before the clock
@@ -637,7 +660,6 @@ def main(args):
                 for name, value in metrics.items():
                     writer.add_scalar(name, value, step)
                 last_step, last_time = step, now
-            stop = stop_requested(received) if step < args.max_steps else 0  # at the last step: finish
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
                 if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device
                     diverged(step, "the weights are no longer finite")

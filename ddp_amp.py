@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -46,8 +47,19 @@ STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasa
 
 
 def fail(message):
-    """Exit with a one-line error and no traceback: bad input is for the user to fix."""
+    """Exit with a one-line error and no traceback: bad input is for the user to fix. Such a failure would recur, so
+    under torchrun with restarts left it also stops torchrun, which then ends the job instead of restarting it."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:  # torchrun sets it in every process it starts
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun passes its stop on to every process: this one ends anyway
+        os.kill(os.getppid(), signal.SIGTERM)  # torchrun restarts failed processes, but a signal to it ends the job
     sys.exit(f"{os.path.basename(__file__)}: error: {message}")
+
+
+def causes(error):
+    """`error`, then the errors it was raised from or while handling: torch often reports a failure as another."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
 
 
 def parse_args():
@@ -304,14 +316,25 @@ def throughput_unit(model, args):
 
 
 def leave_process_group():
-    """Teardown, which atexit runs on every exit path, errors included: free the process group while Python is whole.
-    Destroying the group joins gloo's threads, one of which, still running in Python's shutdown, could abort the
-    process; but only if nothing else holds the group. torch.distributed.nn would: its functions take the default group
-    as a default argument, bound when the module is imported, and torch imports it with the first optimizer. Imported
-    at the top, before any group exists, they hold none. Collecting garbage then frees what reference cycles hold (a
-    sharded model's modules and tensors) while Python is whole, too."""
-    dist.destroy_process_group()
+    """Teardown, which atexit runs on every exit path, errors included: abort the process groups while Python is whole.
+    Aborting returns at once, where destroying would wait for collectives that a failed process never joins, and the
+    other processes' collectives then fail instead of waiting. It joins gloo's threads, one of which, still running in
+    Python's shutdown, could abort the process; but only if nothing else holds the group. torch.distributed.nn would:
+    its functions take the default group as a default argument, bound when the module is imported, and torch imports it
+    with the first optimizer. Imported at the top, before any group exists, they hold none. Collecting garbage then
+    frees what reference cycles hold (a sharded model's modules and tensors) while Python is whole, too."""
+    dist.distributed_c10d._abort_process_group()  # a private name, the same from torch 2.8 to 2.15
     gc.collect()
+
+
+def exit_if_another_process_failed(error):
+    """End this process in one line if a collective raised `error` because another process failed or stopped responding
+    (NCCL and the store raise a DistError, gloo a RuntimeError that says so): that process's own line says why."""
+    if dist.is_initialized() and any(isinstance(e, dist.DistError) or re.search("by peer|Timed out waiting", str(e))
+                                     for e in causes(error)):
+        seen = re.sub(r"^\[.*?\] ", "", str(error).strip().splitlines()[0]).split(". ")[0]  # no source file, one sentence
+        sys.exit(f"{os.path.basename(__file__)}: error: rank {dist.get_rank()} stops: another process failed or stopped "
+                 f"responding (seen here as: {seen})")
 
 
 def setup(args):
@@ -319,6 +342,8 @@ def setup(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()  # local rank r uses GPU r
+        if gpus == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):  # but a scheduler gave each process a GPU of its own
+            local_rank = 0
         if local_rank >= gpus:
             fail(f"local rank {local_rank} has no GPU: this node has {gpus}; start at most that many processes per node "
                  f"(--nproc_per_node)")
@@ -501,22 +526,26 @@ def diverged(step, what):
          f"with a lower --grad-clip")
 
 
-def out_of_memory(step, micro_batch, args, device):
-    """Stop a run that ran out of memory in a training step, saying what to change. Nothing changes by itself: a
-    smaller batch would train differently, without a word to the user."""
-    if device.type == "cuda":
+def out_of_memory(error, where, micro_batch, args, device):
+    """Stop a run that ran out of memory, saying what to change. Nothing changes by itself: a smaller batch would
+    train differently, without a word to the user."""
+    peak = f"{(peak_memory(device) or math.nan) / 2**30:.2f} GiB"  # nan on Windows
+    if device.type == "cuda":  # reserved: what the allocator holds, in use or cached; the failed request is not in either
         total = torch.cuda.get_device_properties(device).total_memory
+        peak += f" allocated, {torch.cuda.max_memory_reserved(device) / 2**30:.2f} GiB reserved"
     else:  # the machine's memory
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else math.nan
-    peak = peak_memory(device) or math.nan  # None on Windows
+        peak += " resident"
+    request = re.search(r"Tried to allocate [\d.]+ \w+", " ".join(map(str, causes(error))))  # its allocator's words, maybe wrapped
     factor = min((f for f in range(2, micro_batch + 1) if micro_batch % f == 0), default=None)  # 2 if it is even
     if factor:
         advice = (f"--grad-accum {args.grad_accum * factor} trains the same, {args.batch_size} samples a step, on "
                   f"micro-batches of {micro_batch // factor}")
     else:
         advice = "one sample is the smallest micro-batch: the model must take less memory"
-    fail(f"out of memory in step {step + 1}, on micro-batches of {micro_batch} samples per process, at a peak of "
-         f"{peak / 2**30:.2f} of {total / 2**30:.1f} GiB on {device}: {advice}")
+    fail(f"out of memory in {where}, on micro-batches of {micro_batch} samples per process" +
+         (f" (t{request[0][1:]})" if request else "") + f": a peak of {peak}, of {total / 2**30:.1f} GiB on {device}: "
+         f"{advice}")
 
 
 # -- evaluation ---------------------------------------------------------------
@@ -545,15 +574,21 @@ def evaluate(model, loader, device):
 
 def save_checkpoint(path, model, optimizer, scheduler, scaler, step, config):
     """Write to a temporary file, then rename it over the old one: a crash mid-write leaves the
-    previous checkpoint intact."""
+    previous checkpoint intact. A failed write (a full disk, a quota, a vanished mount) ends the run
+    in one line, and removes the partial file, which would hold the space the next try needs."""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": step, "config": config}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except Exception as error:  # noqa: BLE001  torch.save raises RuntimeError, with the OSError as its context
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        fail(f"cannot write checkpoint {path}: {next((e for e in causes(error) if isinstance(e, OSError)), error)}")
 
 
 def load_checkpoint(path, model, optimizer, scheduler, scaler, config, device):
@@ -661,7 +696,10 @@ def main(args):
     with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
-                val_loss, val_accuracy = evaluate(model, val_loader, device)
+                try:
+                    val_loss, val_accuracy = evaluate(model, val_loader, device)
+                except torch.cuda.OutOfMemoryError as error:  # a GPU's; on a CPU the OS ends a process that runs out
+                    out_of_memory(error, f"evaluation at step {step}", per_process_batch_size, args, device)
                 log.info(f"step {step:>5} | val loss {val_loss:.4f} | val accuracy {val_accuracy:.4f}")
                 if is_main_process:
                     writer.add_scalar("val/loss", val_loss, step)
@@ -675,11 +713,13 @@ def main(args):
                 micro_batches = iter(train_loader)
             try:
                 loss = train_step(ddp_model, optimizer, scheduler, scaler, micro_batches, args, device)
-            except torch.cuda.OutOfMemoryError:  # a GPU's; on a CPU the OS ends a process that runs out
-                out_of_memory(step, per_process_batch_size, args, device)
+            except torch.cuda.OutOfMemoryError as error:
+                out_of_memory(error, f"step {step + 1}", per_process_batch_size, args, device)
             step += 1
             if args.profile:
                 profiler.step()
+            # Asked before the logging step's wait for the device: a process that failed in this step is seen here.
+            stop = stop_requested(received, stop_group) if step < args.max_steps else 0  # at the last step: finish
 
             if step % args.log_every == 0 or step == args.max_steps:
                 dist.all_reduce(loss)  # the sum over ranks; a collective, so every rank calls it
@@ -703,7 +743,6 @@ def main(args):
                     for name, value in metrics.items():
                         writer.add_scalar(name, value, step)
                 last_step, last_time = step, now
-            stop = stop_requested(received, stop_group) if step < args.max_steps else 0  # at the last step: finish
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
                 if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device
                     diverged(step, "the weights are no longer finite")
@@ -721,4 +760,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except RuntimeError as error:
+        exit_if_another_process_failed(error)
+        raise  # this process's own error, with its traceback

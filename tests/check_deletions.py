@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (file, the line's text, what replaces it (None: `pass`), the tests that should fail, or why none can).
 TRAINING, BAD_INPUT, SPEED = "tests/test_training.py", "tests/test_bad_input.py", "tests/test_speed.py"
-FSDP, PIPELINE = "tests/test_fsdp.py", "tests/test_pipeline.py"
+FSDP, PIPELINE, FAILURES = "tests/test_fsdp.py", "tests/test_pipeline.py", "tests/test_failures.py"
 DELETIONS = [
     ("ddp_torchrun.py", "sampler.set_epoch(step // steps_per_epoch)", None, TRAINING),
     ("ddp_torchrun.py", "DistributedSampler(train_set, seed=args.seed, drop_last=True)",
@@ -117,6 +117,23 @@ DELETIONS = [
      None, f"{PIPELINE}::test_validation_is_exact_with_a_short_last_batch"),
     ("pipeline.py", "activations[1:] = [x.requires_grad_() for x in activations[1:]]", None,
      f"{PIPELINE}::test_each_schedule_trains_like_single_gpu"),
+    # When one process fails (issue 30's lines).
+    ("ddp_torchrun.py", "dist.distributed_c10d._abort_process_group()", "dist.destroy_process_group()",
+     "not on a CPU: gloo's destroy waits for nothing; NCCL's waits for collectives a failed peer never joins"),
+    ("ddp_torchrun.py", "        exit_if_another_process_failed(error)", None,
+     f"{FAILURES}::test_out_of_memory_on_one_rank_ends_every_process_in_one_line"),
+    ("ddp_torchrun.py", "os.kill(os.getppid(), signal.SIGTERM)", None,
+     f"{FAILURES}::test_out_of_memory_on_one_rank_ends_every_process_in_one_line"),
+    ("ddp_torchrun.py", "# Asked before the logging step's wait for the device", None,
+     "not on a CPU: the stop check's place before the logging step matters where the loss's .item() waits for NCCL"),
+    ("single_gpu.py", "out_of_memory(error, f\"evaluation at step {step}\"", "raise",
+     f"{FAILURES}::test_out_of_memory_in_evaluation_ends_in_one_line"),
+    ("single_gpu.py", "os.remove(path + \".tmp\")", None,
+     f"{FAILURES}::test_full_disk_at_the_second_save_ends_in_one_line_and_keeps_the_first"),
+    ("fsdp.py", "if dist.get_rank() == 0:  # every rank has stopped writing: the partial directory", "if False:",
+     f"{FAILURES}::test_full_disk_at_the_second_save_ends_in_one_line_and_keeps_the_first"),
+    ("pipeline.py", "out_of_memory(error, f\"step {step + 1}\", args.batch_size // args.grad_accum, args, device)",
+     "raise", f"{FAILURES}::test_out_of_memory_in_a_pipeline_stages_backward_ends_in_one_line"),
     # The copies: a line deleted from them changes their diff against single_gpu.py or ddp_torchrun.py, whose
     # sizes tests/test_structure.py knows exactly; their behaviour is tested on the scripts above.
     ("ddp_spawn.py", "dist.barrier()", None, "tests/test_structure.py"),

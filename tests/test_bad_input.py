@@ -235,6 +235,32 @@ def test_more_processes_than_gpus_is_refused(script, tmp_path):
                                      f"many processes per node (--nproc_per_node)"), result.output
 
 
+@pytest.mark.parametrize("script", TORCHRUN)
+def test_one_gpu_per_process_is_used_whatever_its_local_rank(script, monkeypatch, tmp_path):
+    """srun --gpus-per-task=1, or a Kubernetes operator, shows each process its own GPU alone and keeps the real
+    LOCAL_RANK: local rank 3 uses the GPU it sees. Without CUDA_VISIBLE_DEVICES, one GPU for local rank 3 is refused.
+    (Faked in this process: one GPU, and a process group that is not formed.)"""
+    module = import_script(script)
+    used = []
+    for name, value in [("is_available", lambda: True), ("device_count", lambda: 1), ("set_device", lambda d: None),
+                        ("get_device_capability", lambda d: (9, 0))]:
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(module.dist, "init_process_group", lambda *args, **kwargs: used.append(kwargs["device_id"]))
+    monkeypatch.setattr(module.atexit, "register", lambda function: None)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    for name, value in [("LOCAL_RANK", "3"), ("RANK", "3"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "localhost"),
+                        ("MASTER_PORT", "0"), ("CUDA_VISIBLE_DEVICES", "GPU-5d2e")]:
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", [script, "--device", "cuda", "--log-dir", str(tmp_path)])
+    args = module.parse_args()
+    assert module.setup(args) == torch.device("cuda", 0) and used == [torch.device("cuda", 0)]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(SystemExit) as stop:
+        module.setup(args)
+    assert stop.value.code == (f"{script}: error: local rank 3 has no GPU: this node has 1; start at most that many "
+                               "processes per node (--nproc_per_node)")
+
+
 def readme_floors():
     """{script: the oldest torch it runs on}, from the README's table of floors."""
     rows = re.findall(r"^\| `(\w+\.py)` \| (\d+)\.(\d+) \|", (ROOT / "README.md").read_text(), re.MULTILINE)
