@@ -475,7 +475,7 @@ def out_of_memory(error, where, micro_batch, args, device):
     else:  # the machine's memory
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else math.nan
         peak += " resident"
-    request = re.search(r"Tried to allocate [\d.]+ \w+", " ".join(map(str, causes(error))))  # its allocator's words, maybe wrapped
+    request = re.search(r"Tried to allocate ([\d.]+ \w+)", " ".join(map(str, causes(error))))  # CUDA's words, maybe wrapped
     factor = min((f for f in range(2, micro_batch + 1) if micro_batch % f == 0), default=None)  # 2 if it is even
     if factor:
         advice = (f"--grad-accum {args.grad_accum * factor} trains the same, {args.batch_size} samples a step, on "
@@ -483,7 +483,8 @@ def out_of_memory(error, where, micro_batch, args, device):
     else:
         advice = "one sample is the smallest micro-batch: the model must take less memory"
     fail(f"out of memory in {where}, on micro-batches of {micro_batch} samples per process" +
-         (f" (t{request[0][1:]})" if request else "") + f": a peak of {peak}, of {total / 2**30:.1f} GiB on {device}: "
+         (f" (tried to allocate {request[1]})" if request else "") +
+         f": a peak of {peak}, of {total / 2**30:.1f} GiB on {device}: "
          f"{advice}")
 
 
@@ -638,7 +639,8 @@ def main(args):
             step += 1
             if args.profile:
                 profiler.step()
-            # Asked before the logging step's wait for the device: a process that failed in this step is seen here.
+            # Asked before the logging step's wait for the device: where processes train together, one that failed in
+            # this step is seen here, on the CPU.
             stop = stop_requested(received) if step < args.max_steps else 0  # at the last step: finish
 
             if step % args.log_every == 0 or step == args.max_steps:

@@ -49,7 +49,9 @@ STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasa
 def fail(message):
     """Exit with a one-line error and no traceback: bad input is for the user to fix. Such a failure would recur, so
     under torchrun with restarts left it also stops torchrun, which then ends the job instead of restarting it."""
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:  # torchrun sets it in every process it starts
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))  # torchrun sets both in each process it starts
+    restarts_left -= int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts_left > 0 and os.getppid() != 1:  # torchrun is this process's parent, unless it has died
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun passes its stop on to every process: this one ends anyway
         os.kill(os.getppid(), signal.SIGTERM)  # torchrun restarts failed processes, but a signal to it ends the job
     sys.exit(f"{os.path.basename(__file__)}: error: {message}")
@@ -316,25 +318,27 @@ def throughput_unit(model, args):
 
 
 def leave_process_group():
-    """Teardown, which atexit runs on every exit path, errors included: abort the process groups while Python is whole.
-    Aborting returns at once, where destroying would wait for collectives that a failed process never joins, and the
-    other processes' collectives then fail instead of waiting. It joins gloo's threads, one of which, still running in
-    Python's shutdown, could abort the process; but only if nothing else holds the group. torch.distributed.nn would:
-    its functions take the default group as a default argument, bound when the module is imported, and torch imports it
-    with the first optimizer. Imported at the top, before any group exists, they hold none. Collecting garbage then
-    frees what reference cycles hold (a sharded model's modules and tensors) while Python is whole, too."""
-    dist.distributed_c10d._abort_process_group()  # a private name, the same from torch 2.8 to 2.15
+    """Teardown, which atexit runs on every exit path, errors included, while Python is whole. A run that ended
+    cleanly has destroyed its process groups already; after an error, abort them: destroying would wait for collectives
+    that a failed process never joins, aborting frees them at once. It joins gloo's threads, one of which, still running
+    in Python's shutdown, could abort the process; but only if nothing else holds the group. torch.distributed.nn
+    would: its functions take the default group as a default argument, bound when the module is imported, and torch
+    imports it with the first optimizer. Imported at the top, before any group exists, they hold none. Collecting
+    garbage then frees what reference cycles hold (a sharded model's modules and tensors) while Python is whole, too."""
+    if dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()  # a private name, the same from torch 2.8 to 2.15
     gc.collect()
 
 
 def exit_if_another_process_failed(error):
     """End this process in one line if a collective raised `error` because another process failed or stopped responding
     (NCCL and the store raise a DistError, gloo a RuntimeError that says so): that process's own line says why."""
-    if dist.is_initialized() and any(isinstance(e, dist.DistError) or re.search("by peer|Timed out waiting", str(e))
-                                     for e in causes(error)):
-        seen = re.sub(r"^\[.*?\] ", "", str(error).strip().splitlines()[0]).split(". ")[0]  # no source file, one sentence
+    lost = re.compile("by peer|Broken pipe|Connection refused|Timed out waiting")
+    seen = next((e for e in causes(error) if isinstance(e, dist.DistError) or lost.search(str(e))), None)
+    if seen is not None and dist.is_initialized():
+        first = re.sub(r"^\[.*?\] ", "", (str(seen).strip() or type(seen).__name__).splitlines()[0]).split(". ")[0]
         sys.exit(f"{os.path.basename(__file__)}: error: rank {dist.get_rank()} stops: another process failed or stopped "
-                 f"responding (seen here as: {seen})")
+                 f"responding (seen here as: {first})")
 
 
 def setup(args):
@@ -342,7 +346,8 @@ def setup(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()  # local rank r uses GPU r
-        if gpus == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):  # but a scheduler gave each process a GPU of its own
+        if gpus == 1 and os.environ.get("CUDA_VISIBLE_DEVICES") and "TORCHELASTIC_RUN_ID" not in os.environ:
+            # Not torchrun's worker, which shares one environment with the others: a scheduler gave it a GPU of its own.
             local_rank = 0
         if local_rank >= gpus:
             fail(f"local rank {local_rank} has no GPU: this node has {gpus}; start at most that many processes per node "
@@ -466,6 +471,7 @@ def stopped(signum, step, ckpt_path):
     a failure, a job to run again."""
     log.info(f"step {step:>5} | stopped by {signal.Signals(signum).name}: " +
              (f"run again to resume from {ckpt_path}" if ckpt_path else "nothing was saved (no --ckpt-dir)"))
+    dist.destroy_process_group()  # a clean end, which every rank agreed on: nothing is left in flight
     sys.exit(75)
 
 
@@ -536,7 +542,7 @@ def out_of_memory(error, where, micro_batch, args, device):
     else:  # the machine's memory
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else math.nan
         peak += " resident"
-    request = re.search(r"Tried to allocate [\d.]+ \w+", " ".join(map(str, causes(error))))  # its allocator's words, maybe wrapped
+    request = re.search(r"Tried to allocate ([\d.]+ \w+)", " ".join(map(str, causes(error))))  # CUDA's words, maybe wrapped
     factor = min((f for f in range(2, micro_batch + 1) if micro_batch % f == 0), default=None)  # 2 if it is even
     if factor:
         advice = (f"--grad-accum {args.grad_accum * factor} trains the same, {args.batch_size} samples a step, on "
@@ -544,7 +550,8 @@ def out_of_memory(error, where, micro_batch, args, device):
     else:
         advice = "one sample is the smallest micro-batch: the model must take less memory"
     fail(f"out of memory in {where}, on micro-batches of {micro_batch} samples per process" +
-         (f" (t{request[0][1:]})" if request else "") + f": a peak of {peak}, of {total / 2**30:.1f} GiB on {device}: "
+         (f" (tried to allocate {request[1]})" if request else "") +
+         f": a peak of {peak}, of {total / 2**30:.1f} GiB on {device}: "
          f"{advice}")
 
 
@@ -718,7 +725,8 @@ def main(args):
             step += 1
             if args.profile:
                 profiler.step()
-            # Asked before the logging step's wait for the device: a process that failed in this step is seen here.
+            # Asked before the logging step's wait for the device: where processes train together, one that failed in
+            # this step is seen here, on the CPU.
             stop = stop_requested(received, stop_group) if step < args.max_steps else 0  # at the last step: finish
 
             if step % args.log_every == 0 or step == args.max_steps:
@@ -765,3 +773,4 @@ if __name__ == "__main__":
     except RuntimeError as error:
         exit_if_another_process_failed(error)
         raise  # this process's own error, with its traceback
+    dist.destroy_process_group()  # the end of the run: nothing is left in flight (leave_process_group)

@@ -188,25 +188,28 @@ try:
 except OSError:
     sys.exit(f"{error}MASTER_ADDR {sys.argv[1]} does not resolve to an address from {socket.gethostname()}: "
              "use a name or IP every node can reach")
-name = socket.getfqdn(socket.gethostname())  # as torchrun names this node
+host = socket.gethostname()  # gloo listens on the first of its addresses that this node can bind, else on loopback
+if os.environ.get("GLOO_SOCKET_IFNAME") or all(a.is_loopback for a in rendezvous):
+    sys.exit(0)  # gloo uses the interface named; or this job is on one machine
 try:
-    own = addresses(name)
+    found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
 except OSError:
-    own = set()
+    found = []
 fix = ("map it to the node\x27s network address in /etc/hosts, or set GLOO_SOCKET_IFNAME to its network interface "
        "(NCCL_SOCKET_IFNAME too, if NCCL picks a wrong one)")
-if os.environ.get("GLOO_SOCKET_IFNAME") or not own or all(a.is_loopback for a in rendezvous):
-    sys.exit(0)  # gloo uses the interface named, or torchrun and gloo will say what they cannot resolve, or one machine
-if all(a.is_loopback for a in own):
-    sys.exit(f"{error}this node\x27s name {name} ({socket.gethostname()}) resolves to {min(own, key=str)}, which other "
-             f"nodes cannot reach (a loopback address): {fix}")
-for address in own:  # gloo listens on it: it must be one of this node\x27s own
-    with socket.socket(socket.AF_INET6 if address.version == 6 else socket.AF_INET) as probe:
-        try:
-            probe.bind((str(address), 0))
-        except OSError as e:
-            sys.exit(f"{error}this node\x27s name {name} ({socket.gethostname()}) resolves to {address}, where gloo "
-                     f"cannot listen ({e.strerror}): {fix}")
+for family, _, _, _, address in found:
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind(address)
+    except OSError:
+        continue
+    if ipaddress.ip_address(address[0].split("%")[0]).is_loopback:
+        sys.exit(f"{error}this node\x27s name {host} resolves to {address[0]}, which other nodes cannot reach (a "
+                 f"loopback address): {fix}")
+    sys.exit(0)
+shown = ", ".join(sorted({info[4][0] for info in found})) or "no address"
+sys.exit(f"{error}this node\x27s name {host} resolves to {shown}, not an address of this node, so gloo would listen on "
+         f"loopback, which other nodes cannot reach: {fix}")
 '
 
 gpus_here() {

@@ -238,7 +238,8 @@ def test_more_processes_than_gpus_is_refused(script, tmp_path):
 @pytest.mark.parametrize("script", TORCHRUN)
 def test_one_gpu_per_process_is_used_whatever_its_local_rank(script, monkeypatch, tmp_path):
     """srun --gpus-per-task=1, or a Kubernetes operator, shows each process its own GPU alone and keeps the real
-    LOCAL_RANK: local rank 3 uses the GPU it sees. Without CUDA_VISIBLE_DEVICES, one GPU for local rank 3 is refused.
+    LOCAL_RANK: local rank 3 uses the GPU it sees. Under torchrun, or without CUDA_VISIBLE_DEVICES, one GPU for
+    local rank 3 is refused.
     (Faked in this process: one GPU, and a process group that is not formed.)"""
     module = import_script(script)
     used = []
@@ -251,14 +252,19 @@ def test_one_gpu_per_process_is_used_whatever_its_local_rank(script, monkeypatch
     for name, value in [("LOCAL_RANK", "3"), ("RANK", "3"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "localhost"),
                         ("MASTER_PORT", "0"), ("CUDA_VISIBLE_DEVICES", "GPU-5d2e")]:
         monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)  # fail() would stop a torchrun that ran pytest
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setattr(sys, "argv", [script, "--device", "cuda", "--log-dir", str(tmp_path)])
     args = module.parse_args()
     assert module.setup(args) == torch.device("cuda", 0) and used == [torch.device("cuda", 0)]
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    with pytest.raises(SystemExit) as stop:
-        module.setup(args)
-    assert stop.value.code == (f"{script}: error: local rank 3 has no GPU: this node has 1; start at most that many "
-                               "processes per node (--nproc_per_node)")
+    # torchrun's workers share one environment: there, one visible GPU is one GPU for all of them.
+    for torchrun, visible in [("job", "GPU-5d2e"), (None, None)]:
+        for name, value in [("TORCHELASTIC_RUN_ID", torchrun), ("CUDA_VISIBLE_DEVICES", visible)]:
+            monkeypatch.setenv(name, value) if value else monkeypatch.delenv(name, raising=False)
+        with pytest.raises(SystemExit) as stop:
+            module.setup(args)
+        assert stop.value.code == (f"{script}: error: local rank 3 has no GPU: this node has 1; start at most that "
+                                   "many processes per node (--nproc_per_node)")
 
 
 def readme_floors():

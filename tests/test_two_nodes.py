@@ -249,7 +249,7 @@ def test_check_on_two_machines(namespaces, tmp_path):
 @pytest.mark.parametrize("gpus, address, reason", [
     (0, "127.0.1.1", "which other nodes cannot reach (a loopback address)"),
     (8, "127.0.1.1", "which other nodes cannot reach (a loopback address)"),
-    (8, "10.77.0.99", "where gloo cannot listen (Cannot assign requested address)")])
+    (8, "10.77.0.99", "not an address of this node, so gloo would listen on loopback, which other nodes cannot reach")])
 def test_node_whose_name_gloo_cannot_use_is_refused(namespaces, tmp_path, gpus, address, reason):
     """torchrun would hand that name to the other node's workers, which would wait on an address nobody listens on
     until the timeout; gloo would fail to start on one not this node's: the launcher refuses at once."""
@@ -262,7 +262,7 @@ def test_node_whose_name_gloo_cannot_use_is_refused(namespaces, tmp_path, gpus, 
         env.update(injected(tmp_path, f"import torch\ntorch.cuda.device_count = lambda: {gpus}\n"))
     [node] = run_nodes(commands, [env], tmp_path)
     assert node.returncode == 1
-    assert node.output.strip() == (f"launch_distributed.sh: error: this node's name node1 (node1) resolves to {address}, "
+    assert node.output.strip() == (f"launch_distributed.sh: error: this node's name node1 resolves to {address}, "
                                    f"{reason}: map it to the node's network address in /etc/hosts, or set "
                                    "GLOO_SOCKET_IFNAME to its network interface (NCCL_SOCKET_IFNAME too, if NCCL picks "
                                    "a wrong one)"), node.output
