@@ -663,7 +663,8 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
                 os.fsync(probe.fileno())
         except OSError as error:
             reason = str(error)
-        if dist.get_rank() == 0:  # every rank has stopped writing: the partial directory would hold the space
+        dist.barrier()  # every rank has stopped writing and asked, before rank 0 frees the space
+        if dist.get_rank() == 0:  # the partial directory would hold the space
             shutil.rmtree(os.path.join(directory, new), ignore_errors=True)
         fail(f"cannot write checkpoint {os.path.join(directory, new)}: {reason}")
     if dist.get_rank() == 0:
