@@ -3,6 +3,7 @@ back what it wrote: console output, TensorBoard scalars, checkpoints."""
 
 import contextlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -44,28 +45,80 @@ TINY = [*TINY_BUILT_IN, "--data", str(ROOT / "tests" / "tiny.txt"), "--seed", "7
 # from a worker, "W1121 ..." from torchrun's agent).
 WARNING = re.compile(r"Warning|^\[?[WE]\d{4} ", re.MULTILINE)
 
-# Optimizer step STOP_AT waits, in every process, until the process has received a stop signal (noted by wrapping the
-# handler that the script installs), or the file GO exists (for ranks that no signal reaches): the signal then comes
-# during that step, whatever the machine's load.
+# Every process waits at STOP_WHERE until it has received a stop signal (noted by wrapping the handler that the script
+# installs), or the file GO exists (for ranks that no signal reaches): the signal then comes there, whatever the
+# machine's load. STOP_WHERE is "step" (optimizer step STOP_AT, after the gradients' all-reduce), or, once STOP_AT
+# steps are done: "evaluation" (its loss), "save" (torch.save or DCP's save), or "collective": rank 1 enters the next
+# all-reduce, the stop check's, and waits inside it for rank 0, which holds back until the signal or GO.
 WAIT_FOR_SIGNAL = ("import os, pathlib, signal, threading, time\n"
-                   "import torch.optim\n"
-                   "received, install = threading.Event(), signal.signal\n"
+                   "import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp, torch.optim\n"
+                   "import torch.nn.functional as F\n"
+                   "received, install, where = threading.Event(), signal.signal, os.environ.get('STOP_WHERE', 'step')\n"
                    "def noting_install(signum, handler):\n"
                    "    if callable(handler):\n"
                    "        handler = lambda signum, frame, handler=handler: (received.set(), handler(signum, frame))\n"
                    "    return install(signum, handler)\n"
                    "signal.signal = noting_install\n"
-                   "step, calls = torch.optim.AdamW.step, []\n"
+                   "steps, waited = [], []\n"
+                   "def wait(what):\n"
+                   "    print(f'waiting in {what}', flush=True)\n"
+                   "    deadline = time.monotonic() + 60\n"
+                   "    while not received.is_set() and not pathlib.Path(os.environ['GO']).exists():\n"
+                   "        assert time.monotonic() < deadline, 'no signal came'\n"
+                   "        time.sleep(0.01)\n"
+                   "def here(place):  # the first call at `place` once STOP_AT steps are done\n"
+                   "    if where != place or len(steps) != int(os.environ['STOP_AT']) or waited:\n"
+                   "        return False\n"
+                   "    waited.append(place)\n"
+                   "    return True\n"
+                   "def waiting(place, function, condition=lambda: True):\n"
+                   "    def wrapper(*args, **kwargs):\n"
+                   "        if condition() and here(place):\n"
+                   "            if place == 'collective' and os.environ.get('RANK') == '1':\n"
+                   "                print(f'waiting in the collective after step {len(steps)}', flush=True)\n"
+                   "            else:\n"
+                   "                wait(f'{place} after step {len(steps)}')\n"
+                   "        return function(*args, **kwargs)\n"
+                   "    return wrapper\n"
+                   "step = torch.optim.AdamW.step\n"
                    "def waiting_step(self, *args, **kwargs):\n"
-                   "    calls.append(None)\n"
-                   "    if len(calls) == int(os.environ['STOP_AT']):\n"
-                   "        print(f'waiting in step {len(calls)}', flush=True)\n"
-                   "        deadline = time.monotonic() + 60\n"
-                   "        while not received.is_set() and not pathlib.Path(os.environ['GO']).exists():\n"
-                   "            assert time.monotonic() < deadline, 'no signal came'\n"
-                   "            time.sleep(0.01)\n"
+                   "    steps.append(None)\n"
+                   "    if where == 'step' and len(steps) == int(os.environ['STOP_AT']):\n"
+                   "        wait(f'step {len(steps)}')\n"
                    "    return step(self, *args, **kwargs)\n"
-                   "torch.optim.AdamW.step = waiting_step\n")
+                   "torch.optim.AdamW.step = waiting_step\n"
+                   "F.cross_entropy = waiting('evaluation', F.cross_entropy, lambda: not torch.is_grad_enabled())\n"
+                   "torch.save, dcp.save = waiting('save', torch.save), waiting('save', dcp.save)\n"
+                   "dist.all_reduce = waiting('collective', dist.all_reduce)\n")
+
+
+# Each process that exits with a message (sys.exit, which fail() and argparse call) notes, in a file of its own under
+# EXIT_NOTES, its rank, the message and the optimizer steps it took. It then waits, up to 20 s, for every rank of its
+# job to note theirs: torchrun ends the other processes when one exits, and one would be ended before its own check.
+NOTE_EXITS = ("import json, os, pathlib, sys, time\n"
+              "import torch.distributed as dist, torch.optim\n"
+              "_step, _exit, _steps = torch.optim.AdamW.step, sys.exit, []\n"
+              "def _counting_step(self, *args, **kwargs):\n"
+              "    _steps.append(None)\n"
+              "    return _step(self, *args, **kwargs)\n"
+              "def _noting_exit(code=None):\n"
+              "    notes = pathlib.Path(os.environ['EXIT_NOTES'])\n"
+              "    initialized = dist.is_available() and dist.is_initialized()\n"
+              "    rank = dist.get_rank() if initialized else os.environ.get('RANK')\n"
+              "    world_size = dist.get_world_size() if initialized else int(os.environ.get('WORLD_SIZE', 1))\n"
+              "    note = {'rank': None if rank is None else int(rank), 'message': str(code), 'steps': len(_steps)}\n"
+              "    if (notes / f'{os.getpid()}.json').exists():  # multiprocessing exits again after the script\n"
+              "        _exit(code)\n"
+              "    (notes / f'{os.getpid()}.tmp').write_text(json.dumps(note))\n"
+              "    (notes / f'{os.getpid()}.tmp').rename(notes / f'{os.getpid()}.json')\n"
+              "    deadline = time.monotonic() + 20\n"
+              "    while rank is not None and time.monotonic() < deadline:\n"
+              "        ranks = {json.loads(path.read_text())['rank'] for path in notes.glob('*.json')}\n"
+              "        if ranks >= set(range(world_size)):\n"
+              "            break\n"
+              "        time.sleep(0.05)\n"
+              "    _exit(code)\n"
+              "torch.optim.AdamW.step, sys.exit = _counting_step, _noting_exit\n")
 
 
 # Two tiers. `python -m pytest tests` runs the smoke tier, the tests marked `smoke`: every script trains, its loss
@@ -323,3 +376,58 @@ def resume_in(run, directory):
     assert run.run.returncode == 0, run.run.output
     shutil.copytree(run.ckpt_dir, directory, symlinks=True)  # fsdp.py's and pipeline.py's link, relative, as it is
     return directory
+
+
+def fails_cleanly(script, args, message, timeout=30, flags=TINY, steps=0, nproc=2, code=""):
+    """Run `script` with `args` (and `code` injected), which it must refuse: a non-zero exit, and every process that checks them (each rank;
+    a process that starts others, alone, when it refuses before starting them) exits with a line that holds `message`,
+    after `steps` optimizer steps (None: any number, the same in each), and without a traceback."""
+    with tempfile.TemporaryDirectory() as tmp:  # not runs/ in the repository; a test's own --log-dir comes later
+        notes = Path(tmp) / "notes"
+        notes.mkdir()
+        env = {**injected(tmp, NOTE_EXITS + code), "EXIT_NOTES": str(notes)}
+        result = run(script, *flags, "--log-dir", tmp, *args, timeout=timeout, env=env, nproc=nproc)
+        noted = [json.loads(path.read_text()) for path in notes.glob("*.json")]
+    assert result.returncode != 0, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith(f"{script}: error: ")]
+    assert any(message in line for line in errors), result.output
+    refusals = [note for note in noted if note["message"].startswith(f"{script}: error: ")]
+    assert all(message in note["message"] for note in refusals), (refusals, result.output)
+    ranks = sorted(note["rank"] for note in refusals if note["rank"] is not None)
+    if script in TORCHRUN or ranks:  # ddp_spawn.py's ranks refuse for themselves once started; before, its parent does
+        assert ranks == list(range(nproc if script in DISTRIBUTED else 1)), (refusals, result.output)
+    else:
+        assert len(refusals) == 1, (refusals, result.output)
+    assert len({note["steps"] for note in refusals}) == 1 and steps in (None, refusals[0]["steps"]), refusals
+    # torchrun's agent prints its own report of a failed worker (with its own traceback); the script itself must not
+    # crash with one.
+    assert f'{script}", line' not in result.output, result.output
+    if script not in TORCHRUN:
+        assert "Traceback" not in result.output, result.output
+    return result
+
+
+def trains_compiled_like_eager(script, eager, tmp_path):
+    """Train `script` with --compile as `eager` trained without, and check what every --compile claims: the weights
+    within PARAM_ATOL of the eager run's (Inductor's fused kernels add in another order), the same checkpoint keys,
+    and each checkpoint loading into the other mode (strictly: every key must match; both runs are finished, so they
+    load it and stop). Returns each rank's number of recompiles."""
+    ckpt_dir = tmp_path / "ckpt"
+    result = run(script, *TINY, "--max-steps", STEPS, "--compile", "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb",
+                 env={"TORCH_LOGS": "recompiles"}, timeout=600)
+    assert result.returncode == 0, result.output
+    assert not WARNING.search(result.output), result.output
+    compiled, reference = load(ckpt_dir)["model"], load(eager.ckpt_dir)["model"]
+    assert compiled.keys() == reference.keys()  # no "_orig_mod." prefix
+    difference = max_param_diff(compiled, reference)
+    print(f"{script} --compile: largest difference from the eager run's weights {difference:.2g}")
+    assert difference <= PARAM_ATOL
+    recompiles = [len(re.findall(rf"^\[rank{rank}\]:.*Recompiling function", result.output, re.MULTILINE))
+                  for rank in range(2)]
+    print(f"{script} --compile: recompiles per rank {recompiles}")
+    for ckpt, flags in [(ckpt_dir, []), (eager.ckpt_dir, ["--compile"])]:
+        again = run(script, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt, "--log-dir", tmp_path / "tb2", *flags)
+        assert again.returncode == 0, again.output
+        assert f"resumed from {ckpt / checkpoint_name(script)} at step {STEPS}" in again.output, again.output
+        assert "the run is finished" in again.output, again.output
+    return recompiles

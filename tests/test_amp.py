@@ -169,9 +169,9 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(precision, tmp_path):
     assert got == {step: loss for step, loss in expected.items() if step > STEPS // 2}
 
 
-def test_checkpoints_move_to_and_from_the_other_scripts(tmp_path):
+def test_checkpoints_move_to_and_from_the_other_scripts(trained, tmp_path):
     """ddp_torchrun.py's checkpoint resumes here in fp16 (a fresh scaler), and this script's, scaler state
-    and all, resumes in single_gpu.py, which ignores the scaler."""
+    and all, resumes in single_gpu.py, which ignores the scaler: the run ends close to single_gpu.py's own."""
     ckpt_dir = tmp_path / "ckpt"
     keys = None
     for quarter, (script, flags) in enumerate([("ddp_torchrun.py", []), ("ddp_amp.py", ["--precision", "fp16"]),
@@ -187,3 +187,10 @@ def test_checkpoints_move_to_and_from_the_other_scripts(tmp_path):
         assert ckpt["model"].keys() == keys and all(value.dtype == torch.float32 for value in ckpt["model"].values())
         if script == "ddp_amp.py":
             assert 1 <= ckpt["scaler"]["scale"] <= 2.0**16  # torch's starting scale, or less after an overflow
+    # Where the run ends: single_gpu.py's train losses (steps 10 and 12), after 4 steps in fp16, within
+    # test_close_to_fp32's bound of its own uninterrupted fp32 run's.
+    got, expected = (scalars(log_dir)["train/loss"] for log_dir in (tmp_path / "single_gpu.py",
+                                                                     trained["single_gpu.py"].log_dir))
+    gaps = {step: abs(loss / expected[step] - 1) for step, loss in got.items()}
+    print(f"handed on through ddp_amp.py --precision fp16: train losses from fp32's, relative: {gaps}")
+    assert sorted(gaps) == [10, 12] and max(gaps.values()) <= 2**-8, gaps

@@ -6,28 +6,13 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 
 import pytest
 import torch
 from torch.torch_version import TorchVersion
 
-from conftest import (DISTRIBUTED, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, TORCHRUN, command, import_script,
-                      injected, load, run, run_command)
-
-
-def fails_cleanly(script, args, message, timeout=30, flags=TINY):
-    with tempfile.TemporaryDirectory() as log_dir:  # not runs/ in the repository; a test's own --log-dir comes later
-        result = run(script, *flags, "--log-dir", log_dir, *args, timeout=timeout)
-    assert result.returncode != 0, result.output
-    errors = [line for line in result.output.splitlines() if line.startswith(f"{script}: error: ")]
-    assert any(message in line for line in errors), result.output
-    # torchrun's agent prints its own report of a failed worker (with its own traceback); the
-    # script itself must not crash with one.
-    assert f'{script}", line' not in result.output, result.output
-    if script not in TORCHRUN:
-        assert "Traceback" not in result.output, result.output
-    return result
+from conftest import (DISTRIBUTED, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, TORCHRUN, command, fails_cleanly,
+                      import_script, injected, load, run, run_command)
 
 
 def refused(script, args, tmp_path, monkeypatch):
@@ -185,7 +170,8 @@ def test_diverging_run_stops_and_keeps_the_last_checkpoint(trained, script, tmp_
     shutil.copy(trained["single_gpu.py"].ckpt_dir / "checkpoint.pt", ckpt)
     before = digest(ckpt)
     flags = ["--ckpt-dir", tmp_path, "--log-dir", tmp_path / "tb", "--max-steps", 2 * STEPS]
-    result = fails_cleanly(script, ["--lr", 1e6, *flags], "training diverged and stops, writing no checkpoint")
+    result = fails_cleanly(script, ["--lr", 1e6, *flags], "training diverged and stops, writing no checkpoint",
+                           steps=None)
     assert re.search(r"the loss is (nan|inf) at step \d+: .*; try a lower --lr, or clipping with a lower --grad-clip$",
                      result.output, re.MULTILINE), result.output
     assert digest(ckpt) == before
@@ -201,7 +187,32 @@ def test_weights_that_blow_up_are_never_checkpointed(script, tmp_path):
     non-finite ones: the run stops at that checkpoint, before the loss is next logged (step 3), and keeps
     step 1's."""
     fails_cleanly(script, ["--lr", 1e30, "--log-every", 3, "--ckpt-every", 1, "--ckpt-dir", tmp_path,
-                           "--log-dir", tmp_path / "tb"], "the weights are no longer finite at step 2")
+                           "--log-dir", tmp_path / "tb"], "the weights are no longer finite at step 2", steps=2)
+    state = load(tmp_path)
+    assert state["step"] == 1
+    assert all(weights.isfinite().all() for weights in state["model"].values())
+
+
+# After its second optimizer step, rank 1 alone finds a NaN in the first weights it holds: a shard, or a stage's.
+ONE_RANKS_NAN = ("import os, torch\n"
+                 "step, steps_taken = torch.optim.AdamW.step, []\n"
+                 "def poisoning_step(self, *args, **kwargs):\n"
+                 "    result = step(self, *args, **kwargs)\n"
+                 "    steps_taken.append(None)\n"
+                 "    if len(steps_taken) == 2 and os.environ.get('RANK') == '1':\n"
+                 "        weights = self.param_groups[0]['params'][0]\n"
+                 "        with torch.no_grad():\n"
+                 "            (weights.to_local() if hasattr(weights, 'to_local') else weights).view(-1)[0] = float('nan')\n"
+                 "    return result\n"
+                 "torch.optim.AdamW.step = poisoning_step\n")
+
+
+@pytest.mark.parametrize("script", ["fsdp.py", "pipeline.py"])  # where each rank holds weights no other rank has
+def test_non_finite_weights_on_one_rank_stop_every_rank(script, tmp_path):
+    """Rank 1's weights turn non-finite while rank 0's stay finite: both ranks stop at the same checkpoint with the
+    same line (each checks its own, then all agree), and step 1's checkpoint stays."""
+    fails_cleanly(script, ["--log-every", 3, "--ckpt-every", 1, "--ckpt-dir", tmp_path], "the weights are no longer "
+                  "finite at step 2", steps=2, code=ONE_RANKS_NAN)
     state = load(tmp_path)
     assert state["step"] == 1
     assert all(weights.isfinite().all() for weights in state["model"].values())

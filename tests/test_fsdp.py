@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (HALF, LAUNCHER, PARAM_ATOL, STEPS, TINY, WARNING, injected, kill_a_worker, load, max_param_diff,
-                      resume_in, run, scalars)
+from conftest import (HALF, LAUNCHER, PARAM_ATOL, STEPS, TINY, WARNING, fails_cleanly, injected, kill_a_worker, load,
+                      max_param_diff, resume_in, run, scalars, trains_compiled_like_eager)
 
 # Run in every rank by the optimizer's own step hook: the bytes this rank holds once the gradients and AdamW's
 # state exist, counted from the tensors themselves (a DTensor's local shard), and, for the bound, the rows of
@@ -68,10 +68,43 @@ def test_each_process_holds_a_shard_of_the_training_state(tmp_path, nproc):
     assert mib(line, "against") == pytest.approx(4 * whole / 2**20, abs=0.005), line
 
 
+# Each process notes, as the gradients reach clipping (reduced, not yet scaled) and after each optimizer step: the
+# dtypes of the gradients, weights and AdamW state it holds, and how many of each gradient's values bf16 could not
+# hold (a value whose low 16 bits are not all zero).
+RECORD_DTYPES = """
+import json, os, torch
+clip, step = torch.nn.utils.clip_grad_norm_, torch.optim.AdamW.step
+def local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+def note(**record):
+    with open(os.path.join(os.environ["DTYPE_DIR"], f"rank{os.environ['RANK']}"), "a") as f:
+        f.write(json.dumps(record) + "\\n")
+def recording_clip(parameters, *args, **kwargs):
+    parameters = list(parameters)
+    grads = [local(p.grad) for p in parameters if p.grad is not None]
+    note(grads=sorted({str(g.dtype) for g in grads}), values=[g.numel() for g in grads],
+         nonzero=[int(g.count_nonzero()) for g in grads],
+         beyond_bf16=[int((g.float().view(torch.int32) & 0xFFFF).count_nonzero()) for g in grads])
+    return clip(parameters, *args, **kwargs)
+def recording_step(self, *args, **kwargs):
+    result = step(self, *args, **kwargs)
+    params = [p for group in self.param_groups for p in group["params"]]
+    note(weights=sorted({str(local(p).dtype) for p in params}),
+         state=sorted({str(local(v).dtype) for p in params for k, v in self.state[p].items() if k != "step"}))
+    return result
+torch.nn.utils.clip_grad_norm_, torch.optim.AdamW.step = recording_clip, recording_step
+"""
+
+
 def test_bf16_trains_close_to_fp32(trained, tmp_path):
-    """bf16 computation (8 bits of mantissa) with fp32 gradients and optimizer: the loss follows fp32's to
-    within a few hundredths over 16 steps, and training works as well."""
-    result = run("fsdp.py", *TINY, "--max-steps", STEPS, "--precision", "bf16", "--log-dir", tmp_path / "tb")
+    """bf16 computation (8 bits of mantissa), with gradients reduced, kept and stepped in fp32: the loss follows
+    fp32's, training works as well, and the gradients hold values that bf16 cannot. One micro-batch a step (which
+    sums the same fp32 values as two, in another order): accumulating two would add bits to a bf16 reduction's."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "dtypes").mkdir()
+    env = {**injected(tmp_path / "site", RECORD_DTYPES), "DTYPE_DIR": str(tmp_path / "dtypes")}
+    result = run("fsdp.py", *TINY, "--max-steps", STEPS, "--precision", "bf16", "--grad-accum", 1, "--log-dir",
+                 tmp_path / "tb", env=env)
     assert result.returncode == 0, result.output
     assert not WARNING.search(result.output), result.output
     assert "bf16 | memory per process" in result.output
@@ -79,7 +112,22 @@ def test_bf16_trains_close_to_fp32(trained, tmp_path):
     assert bf16["train/loss"][2] - bf16["train/loss"][STEPS] > 0.4, bf16["train/loss"]
     gaps = [abs(bf16["train/loss"][step] - fp32["train/loss"][step]) for step in fp32["train/loss"]]
     print(f"bf16 against fp32: largest train-loss gap {max(gaps):.3g}")
-    assert 0 < max(gaps) < 0.1, gaps
+    assert 0 < max(gaps) < 0.01, gaps
+    for rank in range(2):
+        records = [json.loads(line) for line in (tmp_path / "dtypes" / f"rank{rank}").read_text().splitlines()]
+        grads, steps = [r for r in records if "grads" in r], [r for r in records if "weights" in r]
+        assert len(grads) == len(steps) == STEPS, records
+        assert all(r["grads"] == ["torch.float32"] for r in grads), grads
+        assert all(r["weights"] == r["state"] == ["torch.float32"] for r in steps), steps
+        # Reduced in bf16, every value fits bf16 (seen: 0%); in fp32, the sum of two ranks' bf16 gradients mostly
+        # does not (seen: 46% and 48%), in every gradient that is not all zeros (rank 1's rows of the token
+        # embedding: bytes from 128 on, which tiny.txt lacks): a module that reduced in bf16 would have none.
+        beyond = [sum(counts) for counts in zip(*(r["beyond_bf16"] for r in grads))]
+        nonzero = [sum(counts) for counts in zip(*(r["nonzero"] for r in grads))]
+        fewest = min(b for b, n in zip(beyond, nonzero) if n)
+        print(f"rank {rank}: {sum(beyond) / sum(sum(r['values']) for r in grads):.1%} of the gradients' values are "
+              f"beyond bf16; in the fewest of a gradient not all zeros, {fewest}")
+        assert fewest > 0, (beyond, nonzero)
 
 
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
@@ -159,29 +207,22 @@ def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(trained, tm
 
 def test_killed_worker_restarts_and_resumes_exactly(trained, tmp_path):
     """Under launch_distributed.sh with restarts: SIGKILL rank 1 after the first checkpoint; the restarted
-    group resumes from the shards and ends with the uninterrupted run's weights."""
+    group resumes from the shards and ends with the uninterrupted run's weights. The first checkpoint comes at step
+    4 (saving changes nothing in training), so that the kill lands 12 steps before the end."""
     ckpt_dir = tmp_path / "ckpt"
-    flags = [*TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb"]
+    flags = [*TINY, "--ckpt-every", 4, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb"]
     killed = kill_a_worker([str(LAUNCHER), "fsdp.py", *map(str, flags)], ckpt_dir / "checkpoint")
     assert killed.run.returncode == 0, killed.run.output
     assert "failed (exitcode: -9) local_rank: 1" in killed.run.output, killed.run.output
-    assert "resumed from" in killed.run.output, killed.run.output
+    assert f"resumed from {ckpt_dir / 'checkpoint'} at step 4" in killed.run.output, killed.run.output
     assert max_param_diff(load(ckpt_dir)["model"], load(trained["fsdp.py"].ckpt_dir)["model"]) == 0
-
-
-def fails_cleanly(args, message):
-    result = run("fsdp.py", *TINY, *args, timeout=60)
-    assert result.returncode != 0, result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("fsdp.py: error: ")]
-    assert any(message in line for line in errors), result.output
-    assert 'fsdp.py", line' not in result.output, result.output
 
 
 def test_shards_of_another_model_size_are_reported_and_kept(trained, tmp_path):
     shutil.copytree(trained["fsdp.py"].ckpt_dir, tmp_path / "ckpt", symlinks=True)
     before = load(tmp_path / "ckpt")["model"]
-    fails_cleanly(["--d-model", 64, "--ckpt-dir", tmp_path / "ckpt", "--log-dir", tmp_path / "tb", "--max-steps", 32],
-                  "'d_model': 32")
+    fails_cleanly("fsdp.py", ["--d-model", 64, "--ckpt-dir", tmp_path / "ckpt", "--max-steps", 32], "'d_model': 32",
+                  timeout=60)
     assert max_param_diff(load(tmp_path / "ckpt")["model"], before) == 0
 
 
@@ -190,8 +231,8 @@ def test_corrupt_shard_is_reported_and_kept(trained, tmp_path):
     shard = next((tmp_path / "ckpt" / "checkpoint").glob("__1_*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])
     # The cause, from the rank that met it (DCP gathers every rank's errors into one exception): a short file.
-    fails_cleanly(["--ckpt-dir", tmp_path / "ckpt", "--log-dir", tmp_path / "tb", "--max-steps", 32],
-                  f"cannot read checkpoint {tmp_path / 'ckpt' / 'checkpoint'}: Ran out of input")
+    fails_cleanly("fsdp.py", ["--ckpt-dir", tmp_path / "ckpt", "--max-steps", 32],
+                  f"cannot read checkpoint {tmp_path / 'ckpt' / 'checkpoint'}: Ran out of input", timeout=60)
     assert shard.stat().st_size == 1000
 
 
@@ -228,17 +269,9 @@ def test_clipping_uses_the_whole_models_gradient_norm(tmp_path):
 
 
 def test_compiled_blocks_train_like_eager(trained, tmp_path):
-    """--compile compiles each block before it is sharded. Inductor's fused kernels add in another order:
-    within PARAM_ATOL of the eager run, as for DDP."""
-    ckpt_dir = tmp_path / "ckpt"
-    result = run("fsdp.py", *TINY, "--max-steps", STEPS, "--compile", "--ckpt-dir", ckpt_dir, "--log-dir",
-                 tmp_path / "tb", env={"TORCH_LOGS": "recompiles"}, timeout=600)
-    assert result.returncode == 0, result.output
-    assert not WARNING.search(result.output), result.output
-    # Proof that the blocks were compiled: the first call, in the step-0 evaluation, runs without autograd, and
-    # training then compiles them again.
-    for rank in range(2):
-        assert re.search(rf"^\[rank{rank}\]:.*Recompiling function forward", result.output, re.MULTILINE), result.output
-    difference = max_param_diff(load(ckpt_dir)["model"], load(trained["fsdp.py"].ckpt_dir)["model"])
-    print(f"fsdp.py --compile: largest difference from the eager run's weights {difference:.2g}")
-    assert difference <= PARAM_ATOL
+    """--compile compiles each block before it is sharded: like eager, as for DDP (seen: 1.1e-6). Compiled at the
+    first evaluation (no autograd), then again for training, and on rank 0 perhaps once more for the short last
+    validation batch: at most 2 recompiles per rank (seen: 2 and 1); an evaluation that recompiled every pass would
+    add more at steps 8 and 16."""
+    recompiles = trains_compiled_like_eager("fsdp.py", trained["fsdp.py"], tmp_path)
+    assert all(1 <= count <= 2 for count in recompiles), recompiles

@@ -52,6 +52,7 @@ def test_killed_worker_restarts_and_resumes_exactly(tmp_path):
     assert "failed (exitcode: -9) local_rank: 1" in killed.run.output, killed.run.output  # torchrun saw it
     assert killed.resumed_after is not None, killed.run.output
     print(f"killed a worker after the first checkpoint; training resumed {killed.resumed_after:.1f}s later")
+    assert f"resumed from {out / 'ckpt' / 'checkpoint.pt'} at step 8" in killed.run.output, killed.run.output
 
     got, expected = load(out / "ckpt"), load(tmp_path / "reference" / "ckpt")
     assert got["step"] == expected["step"] == RESTART_STEPS
@@ -95,11 +96,12 @@ def test_stuck_rank_fails_the_job_within_its_timeout(tmp_path):
                              "    torch.nn.utils.clip_grad_norm_ = stuck_clip\n")
     tag = {"LAUNCH_TEST_TAG": str(tmp_path)}
     result = launch("ddp_torchrun.py", *train_flags(tmp_path), "--timeout", 5, env={"MAX_RESTARTS": "0", **env, **tag},
-                    timeout=150)
+                    timeout=280)
     assert result.returncode != 0, result.output
     assert "Timed out waiting 5000ms" in result.output, result.output
-    # Seen: 43 s (13 s, and torchrun's 30 s). The bound only has to tell --timeout 5 from the default 300 s.
-    assert result.seconds < 100, f"--timeout 5, yet the job ended after {result.seconds:.0f} s"
+    # Seen: 43 s (13 s, and torchrun's 30 s). The bound only has to tell --timeout 5 from the default 300 s: any
+    # bound under it, as wide as a loaded machine needs.
+    assert result.seconds < 250, f"--timeout 5, yet the job ended after {result.seconds:.0f} s"
     time.sleep(1)
     assert not tagged_processes(tag["LAUNCH_TEST_TAG"]), "processes outlived the job"
 
@@ -108,20 +110,20 @@ def test_peer_that_never_arrives_fails_within_the_timeout(tmp_path):
     # Rank 0 of a world of 2 whose rank 1 never starts: no launcher, just the script and its --timeout.
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_ports()[0])}
     result = run_command([sys.executable, str(ROOT / "ddp_torchrun.py"), *map(str, train_flags(tmp_path)), "--timeout", "5"],
-                         env=env, timeout=150)
+                         env=env, timeout=280)
     assert result.returncode != 0, result.output
     assert "waiting for clients. 1/2 clients joined" in result.output, result.output
-    assert result.seconds < 100, f"--timeout 5 (the default is 300), yet the job ended after {result.seconds:.0f} s"
+    assert result.seconds < 250, f"--timeout 5 (the default is 300), yet the job ended after {result.seconds:.0f} s"
 
 
 def test_node_that_never_joins_times_out_clearly(tmp_path):
     result = launch("ddp_torchrun.py", *train_flags(tmp_path),
                     env={"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_ports()[0]),
-                         "JOIN_TIMEOUT": "5", "NPROC_PER_NODE": "1"}, timeout=150)
+                         "JOIN_TIMEOUT": "5", "NPROC_PER_NODE": "1"}, timeout=280)
     assert result.returncode != 0
     assert "waiting up to 5s (JOIN_TIMEOUT) for 2 nodes" in result.output
     assert result.output.rstrip().endswith("RendezvousTimeoutError"), result.output
-    assert result.seconds < 100, f"JOIN_TIMEOUT=5 (default 300), yet the launcher gave up after {result.seconds:.0f} s"
+    assert result.seconds < 250, f"JOIN_TIMEOUT=5 (default 300), yet the launcher gave up after {result.seconds:.0f} s"
 
 
 def test_check_passes_and_reports_bandwidth():

@@ -11,9 +11,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (HALF, LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, import_script, kill_a_worker, load,
-                      max_param_diff, resume_in, run, run_command, scalars)
-from test_bad_input import fails_cleanly
+from conftest import (HALF, LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, fails_cleanly, import_script, kill_a_worker,
+                      load, max_param_diff, resume_in, run, run_command, scalars, trains_compiled_like_eager)
 from test_training import LOSS_ATOL
 
 
@@ -182,7 +181,7 @@ def test_killed_stage_restarts_and_resumes_exactly(tmp_path):
                            env={"MAX_RESTARTS": "2"})
     assert killed.run.returncode == 0, killed.run.output
     assert "failed (exitcode: -9) local_rank: 1" in killed.run.output, killed.run.output
-    assert killed.resumed_after is not None, killed.run.output
+    assert f"resumed from {out / 'ckpt' / 'checkpoint'} at step 8" in killed.run.output, killed.run.output
     got, expected = load(out / "ckpt"), load(tmp_path / "reference" / "ckpt")
     assert got["step"] == expected["step"] == steps
     assert all(torch.equal(got["model"][name], expected["model"][name]) for name in expected["model"])
@@ -212,17 +211,9 @@ def test_gpipe_runs_one_micro_batch(tmp_path):
 
 
 def test_compiled_stages_train_like_eager(trained, tmp_path):
-    """--compile compiles each stage's module. Inductor's fused kernels add in another order: within PARAM_ATOL
-    of the eager run, as for DDP (seen: 2.8e-6)."""
-    ckpt_dir = tmp_path / "ckpt"
-    result = run("pipeline.py", *TINY, "--max-steps", STEPS, "--compile", "--ckpt-dir", ckpt_dir, "--log-dir",
-                 tmp_path / "tb", env={"TORCH_LOGS": "recompiles"}, timeout=600)
-    assert result.returncode == 0, result.output
-    assert not WARNING.search(result.output), result.output
-    # Proof that each stage was compiled: the first call, in the step-0 evaluation, runs without autograd, and
-    # training then compiles it again.
-    for rank in range(2):
-        assert re.search(rf"^\[rank{rank}\]:.*Recompiling function forward", result.output, re.MULTILINE), result.output
-    difference = max_param_diff(load(ckpt_dir)["model"], load(trained["pipeline.py"].ckpt_dir)["model"])
-    print(f"pipeline.py --compile: largest difference from the eager run's weights {difference:.2g}")
-    assert difference <= PARAM_ATOL
+    """--compile compiles each stage's module: like eager, as for DDP (seen: 1.6e-6). Compiled at the
+    first evaluation (no autograd), then again for training, and on rank 0 perhaps once more for the short last
+    validation batch: at most 2 recompiles per rank (seen: 1 and 1); an evaluation that recompiled every pass would
+    add more at steps 8 and 16."""
+    recompiles = trains_compiled_like_eager("pipeline.py", trained["pipeline.py"], tmp_path)
+    assert all(1 <= count <= 2 for count in recompiles), recompiles

@@ -1,6 +1,6 @@
-"""A job told to stop: SIGTERM through the launcher, or to one worker alone, at a random step, makes every rank save a
-checkpoint at one step and exit as stopped, and the run started again ends on an uninterrupted run's weights, bit for
-bit."""
+"""A job told to stop: SIGTERM through the launcher, or to one worker alone, at a random step or at an evaluation, a
+save or inside a collective, makes every rank save a checkpoint at one step and exit as stopped, and the run started
+again ends on an uninterrupted run's weights, bit for bit."""
 
 import os
 import random
@@ -23,22 +23,26 @@ def flags(ckpt_dir, log_dir, workers=0):
     return [*TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", log_dir, "--workers", workers]
 
 
-def stop_at_random_step(script, target, tmp_path, workers=0):
-    """Launch `script`, and send SIGTERM to `target` ("launcher", or "worker": local rank 1 alone) during a random
-    step; return the exit status, the output and that step. With loader workers, torchrun's SIGTERM reaches them too
-    (it signals each worker's process group)."""
-    stop_at = random.randint(2, STEPS - 1)
+def stop(script, target, where, tmp_path, workers=0):
+    """Launch `script`, and send SIGTERM to `target` ("launcher", or "worker": local rank 1 alone) at `where` (see
+    WAIT_FOR_SIGNAL): during a random step, or at the evaluation, the save or the stop check's collective that follow
+    step 8; return the exit status, the output and the step at which the run should stop: that step, or the next
+    (the signal came after the step's stop check). With loader workers, torchrun's SIGTERM reaches them too (it
+    signals each worker's process group)."""
+    stop_at = random.randint(2, STEPS - 1) if where == "step" else 8
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
     env = environment({**injected(tmp_path, WAIT_FOR_SIGNAL), "LAUNCH_TEST_TAG": tag, "NPROC_PER_NODE": "2",
                        "MAX_RESTARTS": "0",  # a worker that stops is not restarted: the job ends as stopped
-                       "STOP_AT": str(stop_at), "GO": str(tmp_path / "go")})
+                       "STOP_AT": str(stop_at), "STOP_WHERE": where, "GO": str(tmp_path / "go")})
+    waiting = {"step": f"step {stop_at}", "collective": f"the collective after step {stop_at}"}.get(
+        where, f"{where} after step {stop_at}")
     argv = [str(LAUNCHER), script, *map(str, flags(tmp_path / "ckpt", tmp_path / "tb", workers))]
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         try:
             deadline = time.monotonic() + 120
-            while f"waiting in step {stop_at}" not in log.read():
+            while f"waiting in {waiting}" not in log.read():
                 assert proc.poll() is None and time.monotonic() < deadline, "never reached the step"
                 log.seek(0)
                 time.sleep(0.02)
@@ -48,6 +52,7 @@ def stop_at_random_step(script, target, tmp_path, workers=0):
                 pid, = [pid for pid, e in tagged_processes(tag).items() if e.get("LOCAL_RANK") == "1"]
             os.kill(pid, signal.SIGTERM)
             if target == "worker":
+                time.sleep(0.5)  # in the collective, the signal comes while rank 1 waits inside it
                 (tmp_path / "go").touch()  # the other rank goes on without a signal
             returncode = proc.wait(timeout=120)
         finally:
@@ -55,19 +60,24 @@ def stop_at_random_step(script, target, tmp_path, workers=0):
                 kill_all(proc, tag)
                 proc.wait()
         log.seek(0)
-        return returncode, log.read(), stop_at
+        return returncode, log.read(), stop_at if where == "step" else stop_at + 1
 
 
-@pytest.mark.parametrize("script, target, workers", [("ddp_torchrun.py", "launcher", 2), ("ddp_torchrun.py", "worker", 0),
-                                                     ("fsdp.py", "launcher", 0), ("pipeline.py", "worker", 0),
-                                                     ("ddp_spawn.py", "launcher", 0), ("single_gpu.py", "launcher", 0)])
-def test_stop_signal_saves_and_the_rerun_ends_bit_for_bit(trained, script, target, workers, tmp_path):
-    returncode, output, stop_at = stop_at_random_step(script, target, tmp_path, workers)
+@pytest.mark.parametrize("script, target, where, workers", [
+    ("ddp_torchrun.py", "launcher", "step", 2), ("ddp_torchrun.py", "worker", "step", 0),
+    ("fsdp.py", "launcher", "step", 0), ("pipeline.py", "worker", "step", 0), ("ddp_spawn.py", "launcher", "step", 0),
+    ("single_gpu.py", "launcher", "step", 0),
+    # Where else a stop lands: in an evaluation through the stages (the last stage computes the loss while the first
+    # waits for it), in a save that every rank writes, and inside a collective that one rank waits in.
+    ("pipeline.py", "launcher", "evaluation", 0), ("fsdp.py", "worker", "save", 0),
+    ("ddp_torchrun.py", "worker", "collective", 0)])
+def test_stop_signal_saves_and_the_rerun_ends_bit_for_bit(trained, script, target, where, workers, tmp_path):
+    returncode, output, stop_at = stop(script, target, where, tmp_path, workers)
     stops = re.findall(r"^step +(\d+) \| stopped by SIGTERM: run again to resume from (.+)$", output, re.MULTILINE)
     assert len(stops) == 1, output  # rank 0 says it once
     step = int(stops[0][0])
-    print(f"\n{script} --workers {workers}: SIGTERM to the {target} in step {stop_at}: stopped at step {step}, "
-          f"exit {returncode}")
+    print(f"\n{script} --workers {workers}: SIGTERM to the {target} at the {where} (to stop at step {stop_at}): "
+          f"stopped at step {step}, exit {returncode}")
     assert step == stop_at, output
     # Straight from python, the stop's own status; through torchrun, its report of the stop (torchrun exits 1).
     if script in ("single_gpu.py", "ddp_spawn.py"):

@@ -266,5 +266,4 @@ def test_node_whose_name_gloo_cannot_use_is_refused(namespaces, tmp_path, gpus, 
                                    f"{reason}: map it to the node's network address in /etc/hosts, or set "
                                    "GLOO_SOCKET_IFNAME to its network interface (NCCL_SOCKET_IFNAME too, if NCCL picks "
                                    "a wrong one)"), node.output
-    # The bound tells "at once" from a wait for the join timeout (60 s), with room for a busy machine.
-    assert node.seconds < 30, f"refused after {node.seconds:.0f} s, not at once"
+    # At once: that line alone, without the "waiting up to 60s (JOIN_TIMEOUT)" that comes before the rendezvous.
