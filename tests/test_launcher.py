@@ -204,8 +204,13 @@ def test_rank_that_fails_just_after_a_checkpoint_does_not_lose_it(tmp_path):
     """Rank 0 takes 3 s to write the step-8 checkpoint; rank 1 fails in the first thing it does after the
     checkpoint (validation at step 8). The barrier after the save holds rank 1 until the checkpoint is
     written, so with it the checkpoint is there whatever the timing. Without it, rank 1 fails at once and
-    torchrun, which looks at its workers every 0.1 s, stops rank 0 long before its 3 s save ends."""
+    torchrun, which looks at its workers every 0.1 s, stops rank 0 long before its 3 s save ends: SIGTERM, which
+    rank 0 notes to stop after the save, then SIGKILL after a grace period, 30 s in torchrun and 1 s here (a save of
+    a large model can take longer than 30 s)."""
     env = injected(tmp_path, "import os\n"
+                             "from torch.distributed.elastic.multiprocessing.api import PContext\n"
+                             "close = PContext.close\n"
+                             "PContext.close = lambda self, death_sig=None, timeout=30: close(self, death_sig, 1)\n"
                              "if os.environ.get('RANK') == '0':\n"
                              "    import time, torch\n"
                              "    save = torch.save\n"

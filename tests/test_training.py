@@ -267,11 +267,13 @@ print(resident("RssAnon") - before[0], mapped() - before[1])
 # Registered at start-up, before the script's own exit handler, so it runs after it (atexit is last in, first out):
 # what is left of gloo once the script has destroyed its process group, just before Python shuts down.
 GLOO_THREADS_AT_EXIT = """
-import atexit, os
+import atexit, multiprocessing, os
 
 def report():
     names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
-    print(f"gloo threads at exit: {sum('gloo' in name for name in names)}", flush=True)
+    # Who reports: a rank that torchrun started, a process that mp.spawn started, or any other.
+    who = os.environ.get("RANK") or ("spawned" if multiprocessing.parent_process() else "other")
+    print(f"gloo threads at exit: {sum('gloo' in name for name in names)} ({who})", flush=True)
 
 atexit.register(report)
 """
@@ -289,5 +291,7 @@ def test_no_gloo_thread_outlives_the_process_group(script, tmp_path):
     assert result.returncode == 0, result.output
     # Every process reports: the ranks, and what started them. Not anchored to lines: the ranks write to one pipe,
     # and two reports can land on one line.
-    counts = re.findall(r"gloo threads at exit: (\d+)", result.output)
-    assert len(counts) >= 3 and set(counts) == {"0"}, result.output
+    reports = re.findall(r"gloo threads at exit: (\d+) \((\w+)\)", result.output)
+    ranks = sorted(who for _, who in reports if who != "other")
+    assert ranks == (["spawned", "spawned"] if script == "ddp_spawn.py" else ["0", "1"]), result.output
+    assert all(count == "0" for count, _ in reports), result.output
