@@ -378,6 +378,12 @@ def resume_in(run, directory):
     return directory
 
 
+def error_lines(script, output):
+    """Each `script: error: ...` line in `output`, also where two processes' lines met on one: Python writes a
+    SystemExit's message and its newline apart, so another process's message can land between the two."""
+    return [part.split("\n", 1)[0] for part in re.split(rf"(?={re.escape(script)}: error: )", output)[1:]]
+
+
 def fails_cleanly(script, args, message, timeout=30, flags=TINY, steps=0, nproc=2, code=""):
     """Run `script` with `args` (and `code` injected), which it must refuse: a non-zero exit, and every process that checks them (each rank;
     a process that starts others, alone, when it refuses before starting them) exits with a line that holds `message`,
@@ -389,8 +395,7 @@ def fails_cleanly(script, args, message, timeout=30, flags=TINY, steps=0, nproc=
         result = run(script, *flags, "--log-dir", tmp, *args, timeout=timeout, env=env, nproc=nproc)
         noted = [json.loads(path.read_text()) for path in notes.glob("*.json")]
     assert result.returncode != 0, result.output
-    errors = [line for line in result.output.splitlines() if line.startswith(f"{script}: error: ")]
-    assert any(message in line for line in errors), result.output
+    assert any(message in line for line in error_lines(script, result.output)), result.output
     refusals = [note for note in noted if note["message"].startswith(f"{script}: error: ")]
     assert all(message in note["message"] for note in refusals), (refusals, result.output)
     ranks = sorted(note["rank"] for note in refusals if note["rank"] is not None)
