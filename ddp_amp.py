@@ -384,20 +384,23 @@ class SkippingSampler(Sampler):
         return len(self.sampler) - self.start
 
 
-def peak_flops(device):
-    """The dense bf16 peak FLOP/s of a GPU in NVIDIA's datasheets, to measure MFU against; None for any other."""
+def peak_flops(device, precision):
+    """The dense peak FLOP/s of a GPU's matrix products in `precision` ("bf16", "fp16", or "tf32": how fp32 products
+    run here, setup turns it on), from NVIDIA's datasheets: what MFU is measured against. None for any other GPU."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    # Half the datasheets' figures "with sparsity": NVIDIA's A100, H100 (SXM, PCIe, NVL), H200, GH200 (an H100 SXM's
-    # compute) and HGX B200 (a B200 at 1,000 W) datasheets. H800 and others: no datasheet figure, no MFU.
-    peaks = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-             "NVIDIA H200": 989e12, "NVIDIA B200": 2.25e15}
-    families = {"NVIDIA A100": 312e12, "NVIDIA GH200": 989e12}  # every memory size: "NVIDIA A100-SXM4-80GB", ...
-    for prefix, peak in families.items():
-        if name.startswith(prefix):
-            return peak
-    return peaks.get(name)
+    # (16 bits, TF32): half the datasheets' figures "with sparsity": NVIDIA's A100, H100 (SXM, PCIe, NVL), H200, GH200
+    # (an H100 SXM's compute) and HGX B200 (a B200 at 1,000 W) datasheets. H800 and others: no datasheet figure, no MFU.
+    peaks = {"NVIDIA H100 80GB HBM3": (989e12, 494.5e12), "NVIDIA H100 PCIe": (756e12, 378e12),
+             "NVIDIA H100 NVL": (835e12, 417.5e12), "NVIDIA H200": (989e12, 494.5e12), "NVIDIA B200": (2.25e15, 1.1e15)}
+    families = {"NVIDIA A100": (312e12, 156e12), "NVIDIA GH200": (989e12, 494.5e12)}  # "NVIDIA A100-SXM4-80GB", ...
+    figures = next((figures for prefix, figures in families.items() if name.startswith(prefix)), peaks.get(name))
+    if figures is None:
+        return None
+    peak = figures[1] if precision == "tf32" else figures[0]
+    log.info(f"MFU: model FLOP/s over the {name}'s dense {precision} peak, {peak / 1e12:g} TFLOP/s")
+    return peak
 
 
 @torch.no_grad()
@@ -496,11 +499,12 @@ def configure_optimizer(model, args, device):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
-def train_step(model, optimizer, scheduler, scaler, micro_batches, args, device):
-    """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor:
-    reading it with .item() would wait for the GPU, so only logging steps do."""
+def train_step(model, optimizer, scheduler, scaler, micro_batches, args, device, last_step):
+    """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor, and the loss scale
+    before and after the step, on their way to the host: reading them at once would wait for the GPU, so only
+    logging steps do. The previous step's, `last_step`, move the schedule here (advance_schedule)."""
     total_loss = torch.zeros((), device=device)
-    scale = scaler.get_scale()  # fp16: read from the GPU, but no wait: the last step's check below waited (bf16: 1.0)
+    scale = scaler.scale(torch.ones((), device=device))  # fp16: the loss scale, as a tensor on the device (bf16: 1)
     for micro_step in range(args.grad_accum):
         inputs, targets = next(micro_batches)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -511,19 +515,36 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches, args, device)
                 loss = loss_fn(model(inputs), targets) / args.grad_accum
             scaler.scale(loss).backward()  # fp16: scaled up, so small gradients do not round to zero; bf16: as is
         total_loss += loss.detach()
+    advance_schedule(scheduler, last_step)  # before this step's update, which takes the learning rate it sets
     scaler.unscale_(optimizer)  # the true gradients, for clipping
     if args.grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     scaler.step(optimizer)  # skips the update if a gradient is inf or NaN, which a too-high scale causes in fp16
     scaler.update()  # halves the scale after a skip, doubles it after 2000 steps without one
-    if scaler.get_scale() < scale:  # a skipped step leaves the schedule where it is (fused AdamW included)
-        log.info(f"inf or NaN gradients: optimizer step skipped, loss scale now {scaler.get_scale():g}")
-        if scaler.get_scale() < 1:  # the gradients overflow unscaled: no scale can save them
-            fail("gradients are inf or NaN at a loss scale below 1: training diverged; try a lower --lr, or bf16")
-    else:
-        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return total_loss
+    scales = torch.stack([scale, scaler.scale(torch.ones((), device=device))]).to("cpu", non_blocking=True)
+    copied = torch.cuda.Event() if device.type == "cuda" else None  # marks when they are in page-locked host memory
+    if copied is not None:
+        copied.record()
+    return total_loss, (scales, copied)
+
+
+def advance_schedule(scheduler, last_step):
+    """Move the schedule past a step the scaler took; a step it skipped lowered the scale and leaves the schedule
+    where it is (fused AdamW included). Read a step later, the step's scales (before, after) are long on the host:
+    neither the host nor the GPU waits. Logging steps and checkpoints read them at once."""
+    if last_step is None:
+        return
+    scales, copied = last_step
+    if copied is not None:
+        copied.synchronize()
+    before, after = scales.tolist()
+    if after >= before:
+        scheduler.step()
+        return
+    log.info(f"inf or NaN gradients: optimizer step skipped, loss scale now {after:g}")
+    if after < 1:  # the gradients overflow unscaled: no scale can save them
+        fail("gradients are inf or NaN at a loss scale below 1: training diverged; try a lower --lr, or bf16")
 
 
 def diverged(step, what):
@@ -678,7 +699,7 @@ def main(args):
     if flops_per_unit is None:  # the model section does not count them: torch does, once
         flops_per_unit = measure_flops(args, data_info, train_set[0]) / units_per_sample
         log.info(f"torch's FlopCounterMode counts {flops_per_unit:,.0f} training FLOPs for each of the {unit}")
-    peak = peak_flops(device)
+    peak = peak_flops(device, args.precision)
     profiler = contextlib.nullcontext()
     if args.profile:  # the first steps compile, allocate and fill caches: trace three after them
         if args.max_steps - step < 9:
@@ -690,7 +711,7 @@ def main(args):
                  f"https://ui.perfetto.dev or in chrome://tracing")
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
-    micro_batches = None
+    micro_batches, scales = None, None
     # The line this script is about. DDP copies rank 0's weights and buffers to every rank now (here, after any resume:
     # the copy is of the resumed weights); then in each backward() it averages the gradients across ranks, all-reducing
     # each bucket of them while the rest of backward runs (compiled too: torch splits the graph at the buckets).
@@ -719,7 +740,7 @@ def main(args):
                 train_loader.sampler.start = step % steps_per_epoch * args.grad_accum * per_process_batch_size
                 micro_batches = iter(train_loader)
             try:
-                loss = train_step(ddp_model, optimizer, scheduler, scaler, micro_batches, args, device)
+                loss, scales = train_step(ddp_model, optimizer, scheduler, scaler, micro_batches, args, device, scales)
             except torch.cuda.OutOfMemoryError as error:
                 out_of_memory(error, f"step {step + 1}", per_process_batch_size, args, device)
             step += 1
@@ -728,6 +749,9 @@ def main(args):
             # Asked before the logging step's wait for the device: where processes train together, one that failed in
             # this step is seen here, on the CPU.
             stop = stop_requested(received, stop_group) if step < args.max_steps else 0  # at the last step: finish
+            if step % args.log_every == 0 or step % args.ckpt_every == 0 or step == args.max_steps or stop:
+                advance_schedule(scheduler, scales)  # the log and the checkpoint show the schedule after this step
+                scales = None
 
             if step % args.log_every == 0 or step == args.max_steps:
                 dist.all_reduce(loss)  # the sum over ranks; a collective, so every rank calls it

@@ -49,8 +49,14 @@ def tiny_fp16_training(fused=False, init_scale=2.0**16):
     tokens = torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(0))
     batches = iter(lambda: (tokens[:, :-1], tokens[:, 1:]), None)
 
-    def step():
-        module.train_step(model, optimizer, scheduler, scaler, batches, args, torch.device("cpu"))
+    def step(last_scales=None, at_once=True):
+        """One step; its outcome moves the schedule at once, as at a logging step, or is returned for the next."""
+        _, scales = module.train_step(model, optimizer, scheduler, scaler, batches, args, torch.device("cpu"),
+                                      last_scales)
+        if not at_once:
+            return scales
+        module.advance_schedule(scheduler, scales)
+
 
     return module, model, optimizer, scheduler, scaler, step
 
@@ -85,6 +91,23 @@ def test_an_overflowing_step_changes_nothing_and_training_goes_on(fused, caplog)
     print(f"fused={fused}: {skipped - 1} skipped steps, then a step at scale {scaler.get_scale():g}")
     assert scaler.get_scale() == 2.0 ** (40 - (skipped - 1))
     assert scheduler.last_epoch == 2
+
+
+def test_a_skip_learned_one_step_later_trains_the_same():
+    """The script passes each step's scales to the next step, which moves the schedule before its own update:
+    every weight, the scale and the schedule end as where each step's outcome is read at once."""
+    ends = []
+    for at_once in [True, False]:
+        module, model, _, scheduler, scaler, step = tiny_fp16_training(init_scale=2.0**24)  # 6 of 12 steps skipped
+        scales = None
+        for _ in range(12):
+            scales = step(scales, at_once)
+        module.advance_schedule(scheduler, scales)
+        ends.append(([p.detach().clone() for p in model.parameters()], scaler.get_scale(), scheduler.last_epoch))
+    (params, scale, epoch), (deferred_params, deferred_scale, deferred_epoch) = ends
+    assert 0 < epoch < 12, epoch  # some steps skipped, some taken
+    assert all(torch.equal(p, q) for p, q in zip(params, deferred_params))
+    assert (scale, epoch) == (deferred_scale, deferred_epoch)
 
 
 def test_gradients_that_overflow_at_every_scale_stop_the_run():
@@ -156,6 +179,8 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(precision, tmp_path):
 
     resumed, uninterrupted = load(tmp_path / "parts"), load(tmp_path / "whole")
     assert resumed["scaler"] == uninterrupted["scaler"] and resumed["scheduler"] == uninterrupted["scheduler"]
+    # The schedule learns of a skip one step later: it must still have held back for exactly the skipped steps.
+    assert uninterrupted["scheduler"]["last_epoch"] == STEPS - whole.output.count("optimizer step skipped")
     if precision == "fp16":
         assert 1 < resumed["scaler"]["scale"] < 2.0**24
     else:
