@@ -397,20 +397,23 @@ class SkippingSampler(Sampler):
         return len(self.sampler) - self.start
 
 
-def peak_flops(device):
-    """The dense bf16 peak FLOP/s of a GPU in NVIDIA's datasheets, to measure MFU against; None for any other."""
+def peak_flops(device, precision):
+    """The dense peak FLOP/s of a GPU's matrix products in `precision` ("bf16", "fp16", or "tf32": how fp32 products
+    run here, setup turns it on), from NVIDIA's datasheets: what MFU is measured against. None for any other GPU."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    # Half the datasheets' figures "with sparsity": NVIDIA's A100, H100 (SXM, PCIe, NVL), H200, GH200 (an H100 SXM's
-    # compute) and HGX B200 (a B200 at 1,000 W) datasheets. H800 and others: no datasheet figure, no MFU.
-    peaks = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-             "NVIDIA H200": 989e12, "NVIDIA B200": 2.25e15}
-    families = {"NVIDIA A100": 312e12, "NVIDIA GH200": 989e12}  # every memory size: "NVIDIA A100-SXM4-80GB", ...
-    for prefix, peak in families.items():
-        if name.startswith(prefix):
-            return peak
-    return peaks.get(name)
+    # (16 bits, TF32): half the datasheets' figures "with sparsity": NVIDIA's A100, H100 (SXM, PCIe, NVL), H200, GH200
+    # (an H100 SXM's compute) and HGX B200 (a B200 at 1,000 W) datasheets. H800 and others: no datasheet figure, no MFU.
+    peaks = {"NVIDIA H100 80GB HBM3": (989e12, 494.5e12), "NVIDIA H100 PCIe": (756e12, 378e12),
+             "NVIDIA H100 NVL": (835e12, 417.5e12), "NVIDIA H200": (989e12, 494.5e12), "NVIDIA B200": (2.25e15, 1.1e15)}
+    families = {"NVIDIA A100": (312e12, 156e12), "NVIDIA GH200": (989e12, 494.5e12)}  # "NVIDIA A100-SXM4-80GB", ...
+    figures = next((figures for prefix, figures in families.items() if name.startswith(prefix)), peaks.get(name))
+    if figures is None:
+        return None
+    peak = figures[1] if precision == "tf32" else figures[0]
+    log.info(f"MFU: model FLOP/s over the {name}'s dense {precision} peak, {peak / 1e12:g} TFLOP/s")
+    return peak
 
 
 def split_model(model, stage_index, num_stages, inputs):
@@ -590,12 +593,13 @@ def train_step(schedule, model, optimizer, scheduler, batches, args, device):
     would wait for the GPU, so only logging steps do."""
     total_loss = torch.zeros((), device=device)
     inputs, targets = next(batches)
-    inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     losses = []  # filled on the last stage: loss_fn of each micro-batch, whose backward() the schedule runs
-    # The first stage takes the inputs, the last the targets; a stage between takes only what its neighbours send.
-    # The schedule then divides the gradients by the micro-batches' number, as a loss divided by --grad-accum would.
-    schedule.step(*[inputs] if rank == 0 else [], target=targets if rank == last else None, losses=losses,
+    # The first stage takes the inputs, the last the targets, each copied to its GPU; a stage between takes only
+    # what its neighbours send. The schedule then divides the gradients by the micro-batches' number, as a loss
+    # divided by --grad-accum would.
+    schedule.step(*[inputs.to(device, non_blocking=True)] if rank == 0 else [],
+                  target=targets.to(device, non_blocking=True) if rank == last else None, losses=losses,
                   return_outputs=False)
     for loss in losses:
         total_loss += loss.detach() / args.grad_accum
@@ -652,14 +656,15 @@ def evaluate(schedule, model, loader, device):
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct predictions, predictions
     for inputs, targets in loader:
-        # Every pass through the stages has the training's shapes: a short last batch is filled up with copies of
-        # its first sample, whose outputs are not counted.
+        # Every pass through the stages has the training's shapes: a short last batch is filled up, on the GPU
+        # (a copy of pinned memory does not wait), with its first sample, whose outputs are not counted.
         num_samples, missing = len(inputs), loader.batch_size - len(inputs)
-        inputs, targets = (torch.cat([t, t[:1].expand(missing, *t.shape[1:])]) for t in (inputs, targets))
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        if rank == 0:
+            inputs = inputs.to(device, non_blocking=True)
+            inputs = torch.cat([inputs, inputs[:1].expand(missing, *inputs.shape[1:])])
         outputs = schedule.step(*[inputs] if rank == 0 else [])  # the last stage's outputs; None on the others
         if rank == last:
-            outputs, targets = outputs[:num_samples], targets[:num_samples]
+            outputs, targets = outputs[:num_samples], targets.to(device, non_blocking=True)
             correct, predictions = count_correct(outputs, targets)
             totals[0] += loss_fn(outputs, targets, reduction="sum")
             totals[1] += correct
@@ -859,7 +864,7 @@ def main(args):
                                pin_memory=pin_memory, worker_init_fn=ignore_stop_signals)
     val_loader = make_loader(val_set, args.batch_size, args, pin_memory=pin_memory,
                              worker_init_fn=ignore_stop_signals)
-    peak = peak_flops(device)
+    peak = peak_flops(device, "tf32")
     profiler = contextlib.nullcontext()
     if args.profile:  # the first steps compile, allocate and fill caches: trace three after them
         if args.max_steps - step < 9:

@@ -109,12 +109,12 @@ DELETIONS = [
     ("pipeline.py", "dist.broadcast(loss, src=world_size - 1)", None,
      f"{PIPELINE}::test_each_schedule_trains_like_single_gpu"),
     ("pipeline.py", "dist.broadcast(totals, src=last)", None,
-     f"{PIPELINE}::test_validation_is_exact_with_a_short_last_batch"),
+     f"{PIPELINE}::test_validation_is_exact_with_a_short_last_batch_and_each_stage_copies_what_it_reads"),
     ("pipeline.py", "dist.all_reduce(norm)", None, f"{PIPELINE}::test_each_schedule_trains_like_single_gpu"),
     ("pipeline.py", "total_loss += loss.detach() / args.grad_accum", "total_loss += loss.detach()",
      f"{PIPELINE}::test_each_schedule_trains_like_single_gpu"),
     ("pipeline.py", "inputs, targets = (torch.cat([t, t[:1].expand(missing, *t.shape[1:])]) for t in (inputs, targets))",
-     None, f"{PIPELINE}::test_validation_is_exact_with_a_short_last_batch"),
+     None, f"{PIPELINE}::test_validation_is_exact_with_a_short_last_batch_and_each_stage_copies_what_it_reads"),
     ("pipeline.py", "activations[1:] = [x.requires_grad_() for x in activations[1:]]", None,
      f"{PIPELINE}::test_each_schedule_trains_like_single_gpu"),
     # When one process fails (issue 30's lines).
@@ -154,7 +154,7 @@ DELETIONS = [
     ("dataparallel.py", "diverged(step, \"the weights are no longer finite\")", None, "tests/test_structure.py"),
     ("dataparallel.py", "dp_model = nn.DataParallel(model) if device.type == \"cuda\" else model", "dp_model = model",
      ("not on a CPU, where dataparallel.py runs without it; on 2 GPUs or more, tests/test_gpu.py's "
-     "test_dataparallel_on_several_gpus_ends_on_single_gpus_weights runs the wrapper")),
+     "test_on_several_gpus_ends_near_single_gpus_weights[dataparallel.py] runs the wrapper")),
 ]
 
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (HALF, LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, fails_cleanly, import_script, kill_a_worker,
-                      load, max_param_diff, resume_in, run, run_command, scalars, trains_compiled_like_eager)
+from conftest import (HALF, LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, fails_cleanly, import_script, injected,
+                      kill_a_worker, load, max_param_diff, resume_in, run, run_command, scalars, trains_compiled_like_eager)
 from test_training import LOSS_ATOL
 
 
@@ -100,13 +100,31 @@ def test_three_blocks_on_two_stages_leave_the_last_the_lighter(tmp_path):
     assert "stage 1 (rank 1): blocks.2, norm, head\n" in result.output, result.output
 
 
-def test_validation_is_exact_with_a_short_last_batch(tmp_path):
+# Each process counts the batches it copies to its device (Tensor.to(..., non_blocking=True)) into COPIES/<rank>.
+COUNT_COPIES = """
+import atexit, os, pathlib, torch
+to, copies = torch.Tensor.to, []
+def counting_to(self, *args, **kwargs):
+    if kwargs.get("non_blocking"):
+        copies.append(None)
+    return to(self, *args, **kwargs)
+torch.Tensor.to = counting_to
+if "RANK" in os.environ:
+    atexit.register(lambda: (pathlib.Path(os.environ["COPIES"]) / os.environ["RANK"]).write_text(str(len(copies))))
+"""
+
+
+def test_validation_is_exact_with_a_short_last_batch_and_each_stage_copies_what_it_reads(tmp_path):
     """The built-in data's 409 validation sequences in batches of 32 leave 25 at the end, which do not cut
-    into 8 micro-batches: the last stage counts only the 25 real samples."""
+    into 8 micro-batches: the last stage counts only the 25 real samples. The first stage copies the inputs to its
+    device, the last the targets, and no other: one tensor per batch, 13 per evaluation, evaluations at steps 0 and
+    1, and a step's batch."""
     flags = ["--d-model", 32, "--n-layers", 2, "--n-heads", 2, "--max-steps", 1, "--grad-accum", 8]
+    (tmp_path / "copies").mkdir()
     results = {}
     for script in ["single_gpu.py", "pipeline.py"]:
-        result = run(script, *flags, "--log-dir", tmp_path / script)
+        env = {**injected(tmp_path, COUNT_COPIES), "COPIES": str(tmp_path / "copies")} if script == "pipeline.py" else None
+        result = run(script, *flags, "--log-dir", tmp_path / script, env=env)
         assert result.returncode == 0, result.output
         assert "409 of 409 validation samples per evaluation" in result.output, result.output
         results[script] = scalars(tmp_path / script)
@@ -114,6 +132,8 @@ def test_validation_is_exact_with_a_short_last_batch(tmp_path):
     for step in 0, 1:
         assert got["val/loss"][step] == pytest.approx(expected["val/loss"][step], rel=1e-6)
         assert got["val/accuracy"][step] == expected["val/accuracy"][step]
+    copies = {path.name: int(path.read_text()) for path in (tmp_path / "copies").iterdir()}
+    assert copies == {"0": 2 * 13 + 1, "1": 2 * 13 + 1}
 
 
 @pytest.mark.parametrize("first, second", [("single_gpu.py", "pipeline.py"), ("pipeline.py", "single_gpu.py")])
