@@ -334,20 +334,23 @@ class SkippingSampler(Sampler):
         return len(self.sampler) - self.start
 
 
-def peak_flops(device):
-    """The dense bf16 peak FLOP/s of a GPU in NVIDIA's datasheets, to measure MFU against; None for any other."""
+def peak_flops(device, precision):
+    """The dense peak FLOP/s of a GPU's matrix products in `precision` ("bf16", "fp16", or "tf32": how fp32 products
+    run here, setup turns it on), from NVIDIA's datasheets: what MFU is measured against. None for any other GPU."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    # Half the datasheets' figures "with sparsity": NVIDIA's A100, H100 (SXM, PCIe, NVL), H200, GH200 (an H100 SXM's
-    # compute) and HGX B200 (a B200 at 1,000 W) datasheets. H800 and others: no datasheet figure, no MFU.
-    peaks = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-             "NVIDIA H200": 989e12, "NVIDIA B200": 2.25e15}
-    families = {"NVIDIA A100": 312e12, "NVIDIA GH200": 989e12}  # every memory size: "NVIDIA A100-SXM4-80GB", ...
-    for prefix, peak in families.items():
-        if name.startswith(prefix):
-            return peak
-    return peaks.get(name)
+    # (16 bits, TF32): half the datasheets' figures "with sparsity": NVIDIA's A100, H100 (SXM, PCIe, NVL), H200, GH200
+    # (an H100 SXM's compute) and HGX B200 (a B200 at 1,000 W) datasheets. H800 and others: no datasheet figure, no MFU.
+    peaks = {"NVIDIA H100 80GB HBM3": (989e12, 494.5e12), "NVIDIA H100 PCIe": (756e12, 378e12),
+             "NVIDIA H100 NVL": (835e12, 417.5e12), "NVIDIA H200": (989e12, 494.5e12), "NVIDIA B200": (2.25e15, 1.1e15)}
+    families = {"NVIDIA A100": (312e12, 156e12), "NVIDIA GH200": (989e12, 494.5e12)}  # "NVIDIA A100-SXM4-80GB", ...
+    figures = next((figures for prefix, figures in families.items() if name.startswith(prefix)), peaks.get(name))
+    if figures is None:
+        return None
+    peak = figures[1] if precision == "tf32" else figures[0]
+    log.info(f"MFU: model FLOP/s over the {name}'s dense {precision} peak, {peak / 1e12:g} TFLOP/s")
+    return peak
 
 
 @torch.no_grad()
@@ -387,6 +390,11 @@ def peak_memory(device):
     except ImportError:
         return None
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
+
+
+def used_devices(device):
+    """Every device this one process computes on: each visible GPU, or the CPU."""
+    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if device.type == "cuda" else [device]
 
 
 def catch_stop_signals():
@@ -468,10 +476,11 @@ def diverged(step, what):
 def out_of_memory(error, where, micro_batch, args, device):
     """Stop a run that ran out of memory, saying what to change. Nothing changes by itself: a smaller batch would
     train differently, without a word to the user."""
-    peak = f"{(peak_memory(device) or math.nan) / 2**30:.2f} GiB"  # nan on Windows
+    devices = used_devices(device)  # every GPU's figures: the replicas on any of them may have run out
+    peak = f"{', '.join(f'{(peak_memory(d) or math.nan) / 2**30:.2f}' for d in devices)} GiB"  # nan on Windows
     if device.type == "cuda":  # reserved: what the allocator holds, in use or cached; the failed request is not in either
         total = torch.cuda.get_device_properties(device).total_memory
-        peak += f" allocated, {torch.cuda.max_memory_reserved(device) / 2**30:.2f} GiB reserved"
+        peak += f" allocated, {', '.join(f'{torch.cuda.max_memory_reserved(d) / 2**30:.2f}' for d in devices)} GiB reserved"
     else:  # the machine's memory
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else math.nan
         peak += " resident"
@@ -484,7 +493,7 @@ def out_of_memory(error, where, micro_batch, args, device):
         advice = "one sample is the smallest micro-batch: the model must take less memory"
     fail(f"out of memory in {where}, on micro-batches of {micro_batch} samples per process" +
          (f" (tried to allocate {request[1]})" if request else "") +
-         f": a peak of {peak}, of {total / 2**30:.1f} GiB on {device}: "
+         f": a peak of {peak}, of {total / 2**30:.1f} GiB on {', '.join(map(str, devices))}: "
          f"{advice}")
 
 
@@ -599,7 +608,7 @@ def main(args):
     if flops_per_unit is None:  # the model section does not count them: torch does, once
         flops_per_unit = measure_flops(args, data_info, train_set[0]) / units_per_sample
         log.info(f"torch's FlopCounterMode counts {flops_per_unit:,.0f} training FLOPs for each of the {unit}")
-    peak = peak_flops(device)
+    peak = peak_flops(device, "tf32")
     if peak:
         peak *= torch.cuda.device_count()  # this one process drives every GPU
     profiler = contextlib.nullcontext()
@@ -669,9 +678,9 @@ def main(args):
                 log.info(f"step {step:>5} | saved {ckpt_path}")
             if stop:
                 stopped(stop, step, ckpt_path)
-    peaks = [peak_memory(device)]  # this process's, the only one
+    peaks = [peak_memory(d) for d in used_devices(device)]  # each GPU's: this one process computes on all of them
     if peaks[0] is not None:
-        log.info(f"peak memory per process: {', '.join(f'{peak / 2**30:.2f}' for peak in peaks)} GiB "
+        log.info(f"peak memory per {'GPU' if device.type == 'cuda' else 'process'}: {', '.join(f'{peak / 2**30:.2f}' for peak in peaks)} GiB "
                  f"({'allocated on the GPU' if device.type == 'cuda' else 'resident, torch included'})")
 
 

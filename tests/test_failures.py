@@ -126,14 +126,16 @@ def test_out_of_memory_figures_and_advice(monkeypatch):
     micro-batches' activations."""
     gib = 2**30
     for name, value in [("get_device_properties", lambda device: type("Properties", (), {"total_memory": 80 * gib})),
-                        ("max_memory_allocated", lambda device: 52 * gib), ("max_memory_reserved", lambda device: 60 * gib)]:
+                        ("max_memory_allocated", lambda device: (52 + device.index) * gib),
+                        ("max_memory_reserved", lambda device: (60 + device.index) * gib),
+                        ("device_count", lambda: 2)]:  # dataparallel.py's one process computes on both
         monkeypatch.setattr(torch.cuda, name, value)
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ...")
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
     monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)  # fail() would stop a torchrun that ran pytest
     lines = {}
     for script, micro_batch, schedule in [("ddp_torchrun.py", 9, None), ("fsdp.py", 1, None), ("pipeline.py", 8, "gpipe"),
-                                          ("pipeline.py", 8, "1f1b")]:
+                                          ("pipeline.py", 8, "1f1b"), ("dataparallel.py", 9, None)]:
         args = type("Args", (), {"grad_accum": 4, "batch_size": 4 * micro_batch, "schedule": schedule})
         with pytest.raises(SystemExit) as exit:
             import_script(script).out_of_memory(error, "step 5", micro_batch, args, torch.device("cuda", 0))
@@ -142,6 +144,8 @@ def test_out_of_memory_figures_and_advice(monkeypatch):
     assert lines["ddp_torchrun.py", None] == (
         "ddp_torchrun.py: error: out of memory in step 5, on micro-batches of 9 samples per process (tried to allocate "
         f"2.00 GiB){figures}--grad-accum 12 trains the same, 36 samples a step, on micro-batches of 3")
+    assert ": a peak of 52.00, 53.00 GiB allocated, 60.00, 61.00 GiB reserved, of 80.0 GiB on cuda:0, cuda:1: " in \
+        lines["dataparallel.py", None]
     assert lines["fsdp.py", None].endswith(f"{figures}one sample is the smallest micro-batch: the model must take less "
                                            "memory, or --activation-checkpointing")
     assert lines["pipeline.py", "gpipe"].endswith(f"{figures}--schedule 1f1b, which holds the activations of fewer "
