@@ -329,20 +329,23 @@ class SkippingSampler(Sampler):
         return len(self.sampler) - self.start
 
 
-def peak_flops(device):
-    """The dense bf16 peak FLOP/s of a GPU in NVIDIA's datasheets, to measure MFU against; None for any other."""
+def peak_flops(device, precision):
+    """The dense peak FLOP/s of a GPU's matrix products in `precision` ("bf16", "fp16", or "tf32": how fp32 products
+    run here, setup turns it on), from NVIDIA's datasheets: what MFU is measured against. None for any other GPU."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    # Half the datasheets' figures "with sparsity": NVIDIA's A100, H100 (SXM, PCIe, NVL), H200, GH200 (an H100 SXM's
-    # compute) and HGX B200 (a B200 at 1,000 W) datasheets. H800 and others: no datasheet figure, no MFU.
-    peaks = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-             "NVIDIA H200": 989e12, "NVIDIA B200": 2.25e15}
-    families = {"NVIDIA A100": 312e12, "NVIDIA GH200": 989e12}  # every memory size: "NVIDIA A100-SXM4-80GB", ...
-    for prefix, peak in families.items():
-        if name.startswith(prefix):
-            return peak
-    return peaks.get(name)
+    # (16 bits, TF32): half the datasheets' figures "with sparsity": NVIDIA's A100, H100 (SXM, PCIe, NVL), H200, GH200
+    # (an H100 SXM's compute) and HGX B200 (a B200 at 1,000 W) datasheets. H800 and others: no datasheet figure, no MFU.
+    peaks = {"NVIDIA H100 80GB HBM3": (989e12, 494.5e12), "NVIDIA H100 PCIe": (756e12, 378e12),
+             "NVIDIA H100 NVL": (835e12, 417.5e12), "NVIDIA H200": (989e12, 494.5e12), "NVIDIA B200": (2.25e15, 1.1e15)}
+    families = {"NVIDIA A100": (312e12, 156e12), "NVIDIA GH200": (989e12, 494.5e12)}  # "NVIDIA A100-SXM4-80GB", ...
+    figures = next((figures for prefix, figures in families.items() if name.startswith(prefix)), peaks.get(name))
+    if figures is None:
+        return None
+    peak = figures[1] if precision == "tf32" else figures[0]
+    log.info(f"MFU: model FLOP/s over the {name}'s dense {precision} peak, {peak / 1e12:g} TFLOP/s")
+    return peak
 
 
 @torch.no_grad()
@@ -592,7 +595,7 @@ def main(args):
     if flops_per_unit is None:  # the model section does not count them: torch does, once
         flops_per_unit = measure_flops(args, data_info, train_set[0]) / units_per_sample
         log.info(f"torch's FlopCounterMode counts {flops_per_unit:,.0f} training FLOPs for each of the {unit}")
-    peak = peak_flops(device)
+    peak = peak_flops(device, "tf32")
     profiler = contextlib.nullcontext()
     if args.profile:  # the first steps compile, allocate and fill caches: trace three after them
         if args.max_steps - step < 9:

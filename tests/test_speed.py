@@ -1,6 +1,7 @@
 """The speed lines every script shares: --compile, --profile, and the FLOP/s and MFU they report."""
 
 import argparse
+import logging
 import json
 import re
 import sys
@@ -57,7 +58,7 @@ def test_mfu_is_against_the_gpus_peak(tmp_path):
     """Where the peak is known, the step line and TensorBoard show MFU = achieved / peak. A CPU has no
     peak, so the test gives single_gpu.py one: 1 GFLOP/s."""
     driver = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from conftest import import_script; "
-              f"script = import_script('single_gpu.py'); script.peak_flops = lambda device: 1e9; "
+              f"script = import_script('single_gpu.py'); script.peak_flops = lambda device, precision: 1e9; "
               f"sys.argv = ['single_gpu.py', *sys.argv[1:]]; script.main(script.parse_args())")
     result = run_command([sys.executable, "-c", driver, *TINY, "--max-steps", "4", "--log-dir", str(tmp_path)])
     assert result.returncode == 0, result.output
@@ -69,18 +70,23 @@ def test_mfu_is_against_the_gpus_peak(tmp_path):
     assert printed == [round(100 * tb["train/mfu"][step]) for step in (2, 4)], result.output
 
 
-@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                                        ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
-                                        ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA H100 NVL", 835e12),
-                                        ("NVIDIA GH200 480GB", 989e12), ("NVIDIA B200", 2.25e15), ("NVIDIA GB200", None),
-                                        ("NVIDIA H800", None), ("NVIDIA H200 NVL", None),
-                                        ("NVIDIA GeForce RTX 4090", None)])
-def test_peak_flops_only_for_gpus_in_the_table(monkeypatch, name, peak):
-    """Never a made-up peak: a GPU the table does not name exactly gets FLOP/s alone."""
+@pytest.mark.parametrize("name, bf16, tf32", [
+    ("NVIDIA H100 80GB HBM3", 989e12, 494.5e12), ("NVIDIA H100 PCIe", 756e12, 378e12), ("NVIDIA H200", 989e12, 494.5e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12, 156e12), ("NVIDIA A100 80GB PCIe", 312e12, 156e12),
+    ("NVIDIA H100 NVL", 835e12, 417.5e12), ("NVIDIA GH200 480GB", 989e12, 494.5e12), ("NVIDIA B200", 2.25e15, 1.1e15),
+    ("NVIDIA GB200", None, None), ("NVIDIA H800", None, None), ("NVIDIA H200 NVL", None, None),
+    ("NVIDIA GeForce RTX 4090", None, None)])
+def test_peak_flops_only_for_gpus_in_the_table(monkeypatch, caplog, name, bf16, tf32):
+    """Never a made-up peak: a GPU the table does not name exactly gets FLOP/s alone. fp32 runs compute in TF32,
+    measured against its own peak, and the log names the peak used."""
     script = import_script("single_gpu.py")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert script.peak_flops(torch.device("cuda", 0)) == peak
-    assert script.peak_flops(torch.device("cpu")) is None
+    with caplog.at_level(logging.INFO, logger=script.log.name):
+        figures = [script.peak_flops(torch.device("cuda", 0), precision) for precision in ["bf16", "fp16", "tf32"]]
+    assert figures == [bf16, bf16, tf32]
+    if tf32:
+        assert f"MFU: model FLOP/s over the {name}'s dense tf32 peak, {tf32 / 1e12:g} TFLOP/s" in caplog.text
+    assert script.peak_flops(torch.device("cpu"), "tf32") is None
 
 
 @pytest.mark.parametrize("script", ["single_gpu.py", "dataparallel.py"])
