@@ -44,11 +44,13 @@ COMPILED = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py", "ddp_torchrun.py
 # of shards and DCP of stages.
 MOVED = ["single_gpu.py", "fsdp.py", "pipeline.py --schedule gpipe"]
 
-# Deterministic kernels (cuBLAS needs its workspace fixed too), and the sync check: from the first batch that a
+# Deterministic kernels where torch has them (cuBLAS needs its workspace fixed too; memory-efficient attention's
+# backward has none, warns, and resumed bit for bit on an H200 all the same), and the sync check: from the first batch that a
 # training step fetches (from step CHECK_FROM on), torch raises at any operation that waits for the GPU (an .item(),
 # a copy to the host, a synchronize), until the end of a step that logs (a multiple of LOG_EVERY, and so each
 # evaluation and checkpoint too). Evaluation fetches its batches without autograd: it does not turn the check on.
 # The hook is outside the model: inside, torch.compile would trace it, and recompile as the step count changes.
+# SHOW_CHECKS=1 prints each turn: how the turns were checked against the log lines, on a CPU.
 GPU_CHECKS = """
 import os
 import torch
@@ -115,8 +117,10 @@ def train_and_resume(config, tmp):
 
 
 def compiled(script, tmp):
-    return gpu_run(script, "--compile", *FLAGS, "--log-dir", tmp / "tb", env=checked(tmp, CHECK_FROM_COMPILED),
-                   timeout=600)
+    env = checked(tmp, CHECK_FROM_COMPILED)
+    if script == "dataparallel.py":  # which refuses --compile on several GPUs: one
+        env["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"].split(",")[0]
+    return gpu_run(script, "--compile", *FLAGS, "--log-dir", tmp / "tb", env=env, timeout=600)
 
 
 def profiled(script, tmp):
