@@ -348,7 +348,7 @@ def peak_flops(device, precision):
     figures = next((figures for prefix, figures in families.items() if name.startswith(prefix)), peaks.get(name))
     if figures is None:
         return None
-    peak = figures[1] if precision == "tf32" else figures[0]
+    peak = figures[{"bf16": 0, "fp16": 0, "tf32": 1}[precision]]
     log.info(f"MFU: model FLOP/s over the {name}'s dense {precision} peak, {peak / 1e12:g} TFLOP/s")
     return peak
 
@@ -480,7 +480,8 @@ def out_of_memory(error, where, micro_batch, args, device):
     peak = f"{', '.join(f'{(peak_memory(d) or math.nan) / 2**30:.2f}' for d in devices)} GiB"  # nan on Windows
     if device.type == "cuda":  # reserved: what the allocator holds, in use or cached; the failed request is not in either
         total = torch.cuda.get_device_properties(device).total_memory
-        peak += f" allocated, {', '.join(f'{torch.cuda.max_memory_reserved(d) / 2**30:.2f}' for d in devices)} GiB reserved"
+        reserved = ", ".join(f"{torch.cuda.max_memory_reserved(d) / 2**30:.2f}" for d in devices)
+        peak += f" allocated, {reserved} GiB reserved"
     else:  # the machine's memory
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else math.nan
         peak += " resident"

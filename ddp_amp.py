@@ -398,7 +398,7 @@ def peak_flops(device, precision):
     figures = next((figures for prefix, figures in families.items() if name.startswith(prefix)), peaks.get(name))
     if figures is None:
         return None
-    peak = figures[1] if precision == "tf32" else figures[0]
+    peak = figures[{"bf16": 0, "fp16": 0, "tf32": 1}[precision]]
     log.info(f"MFU: model FLOP/s over the {name}'s dense {precision} peak, {peak / 1e12:g} TFLOP/s")
     return peak
 
@@ -499,10 +499,10 @@ def configure_optimizer(model, args, device):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
-def train_step(model, optimizer, scheduler, scaler, micro_batches, args, device, last_step):
-    """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor, and the loss scale
-    before and after the step, on their way to the host: reading them at once would wait for the GPU, so only
-    logging steps do. The previous step's, `last_step`, move the schedule here (advance_schedule)."""
+def train_step(model, optimizer, scheduler, scaler, micro_batches, args, device, last_scales):
+    """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor and, in fp16, the loss
+    scale before and after the step on their way to the host: reading either at once would wait for the GPU. The
+    previous step's scales, `last_scales`, move the schedule here; logging steps and checkpoints settle it at once."""
     total_loss = torch.zeros((), device=device)
     scale = scaler.scale(torch.ones((), device=device))  # fp16: the loss scale, as a tensor on the device (bf16: 1)
     for micro_step in range(args.grad_accum):
@@ -515,13 +515,16 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches, args, device,
                 loss = loss_fn(model(inputs), targets) / args.grad_accum
             scaler.scale(loss).backward()  # fp16: scaled up, so small gradients do not round to zero; bf16: as is
         total_loss += loss.detach()
-    advance_schedule(scheduler, last_step)  # before this step's update, which takes the learning rate it sets
+    advance_schedule(scheduler, last_scales)  # before this step's update, which takes the learning rate it sets
     scaler.unscale_(optimizer)  # the true gradients, for clipping
     if args.grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     scaler.step(optimizer)  # skips the update if a gradient is inf or NaN, which a too-high scale causes in fp16
     scaler.update()  # halves the scale after a skip, doubles it after 2000 steps without one
     optimizer.zero_grad(set_to_none=True)
+    if not scaler.is_enabled():  # bf16: no step is skipped
+        scheduler.step()
+        return total_loss, None
     scales = torch.stack([scale, scaler.scale(torch.ones((), device=device))]).to("cpu", non_blocking=True)
     copied = torch.cuda.Event() if device.type == "cuda" else None  # marks when they are in page-locked host memory
     if copied is not None:
@@ -529,13 +532,13 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches, args, device,
     return total_loss, (scales, copied)
 
 
-def advance_schedule(scheduler, last_step):
+def advance_schedule(scheduler, last_scales):
     """Move the schedule past a step the scaler took; a step it skipped lowered the scale and leaves the schedule
-    where it is (fused AdamW included). Read a step later, the step's scales (before, after) are long on the host:
-    neither the host nor the GPU waits. Logging steps and checkpoints read them at once."""
-    if last_step is None:
+    where it is (fused AdamW included). Read once the next step's work is queued, a step's scales (before, after)
+    make the host wait at most for that step, while the GPU has the next one to run: it does not idle."""
+    if last_scales is None:
         return
-    scales, copied = last_step
+    scales, copied = last_scales
     if copied is not None:
         copied.synchronize()
     before, after = scales.tolist()

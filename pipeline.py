@@ -411,7 +411,7 @@ def peak_flops(device, precision):
     figures = next((figures for prefix, figures in families.items() if name.startswith(prefix)), peaks.get(name))
     if figures is None:
         return None
-    peak = figures[1] if precision == "tf32" else figures[0]
+    peak = figures[{"bf16": 0, "fp16": 0, "tf32": 1}[precision]]
     log.info(f"MFU: model FLOP/s over the {name}'s dense {precision} peak, {peak / 1e12:g} TFLOP/s")
     return peak
 
@@ -595,7 +595,7 @@ def train_step(schedule, model, optimizer, scheduler, batches, args, device):
     inputs, targets = next(batches)
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     losses = []  # filled on the last stage: loss_fn of each micro-batch, whose backward() the schedule runs
-    # The first stage takes the inputs, the last the targets, each copied to its GPU; a stage between takes only
+    # The first stage takes the inputs, the last the targets, each copied to its device; a stage between takes only
     # what its neighbours send. The schedule then divides the gradients by the micro-batches' number, as a loss
     # divided by --grad-accum would.
     schedule.step(*[inputs.to(device, non_blocking=True)] if rank == 0 else [],
@@ -656,8 +656,8 @@ def evaluate(schedule, model, loader, device):
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct predictions, predictions
     for inputs, targets in loader:
-        # Every pass through the stages has the training's shapes: a short last batch is filled up, on the GPU
-        # (a copy of pinned memory does not wait), with its first sample, whose outputs are not counted.
+        # Every pass through the stages has the training's shapes: a short last batch is filled up with its first
+        # sample, whose outputs are not counted, on the device: filled on the CPU, it would leave pinned memory.
         num_samples, missing = len(inputs), loader.batch_size - len(inputs)
         if rank == 0:
             inputs = inputs.to(device, non_blocking=True)

@@ -343,7 +343,7 @@ def peak_flops(device, precision):
     figures = next((figures for prefix, figures in families.items() if name.startswith(prefix)), peaks.get(name))
     if figures is None:
         return None
-    peak = figures[1] if precision == "tf32" else figures[0]
+    peak = figures[{"bf16": 0, "fp16": 0, "tf32": 1}[precision]]
     log.info(f"MFU: model FLOP/s over the {name}'s dense {precision} peak, {peak / 1e12:g} TFLOP/s")
     return peak
 

@@ -1,8 +1,8 @@
 """The speed lines every script shares: --compile, --profile, and the FLOP/s and MFU they report."""
 
 import argparse
-import logging
 import json
+import logging
 import re
 import sys
 
