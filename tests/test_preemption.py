@@ -79,9 +79,14 @@ def test_stop_signal_saves_and_the_rerun_ends_bit_for_bit(trained, script, targe
     print(f"\n{script} --workers {workers}: SIGTERM to the {target} at the {where} (to stop at step {stop_at}): "
           f"stopped at step {step}, exit {returncode}")
     assert step == stop_at, output
-    # Straight from python, the stop's own status; through torchrun, its report of the stop (torchrun exits 1).
+    # Straight from python, the stop's own status; through torchrun, its report of the stop (torchrun exits 1). A
+    # torchrun that got the signal itself may instead abort as its own interpreter shuts down, after every worker
+    # has stopped ("terminate called without an active exception": once in a CI run, on 2.13). That race is in
+    # torch's launcher, not in a script: it fails the job all the same, and SLURM's requeue needs no more.
     if script in ("single_gpu.py", "ddp_spawn.py"):
         assert returncode == STOPPED, output
+    elif target == "launcher" and returncode == -signal.SIGABRT:
+        assert "Received 15 death signal" in output and "terminate called without an active exception" in output
     else:
         assert returncode == 1, output
         assert (f"exitcode  : {STOPPED}" if target == "worker" else "Received 15 death signal") in output, output
