@@ -35,6 +35,7 @@ import torch.distributed.nn  # here, before any group exists, so that it holds n
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.tensorboard import SummaryWriter
@@ -576,7 +577,8 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config):
     """Write to a temporary file, then rename it over the old one: a crash mid-write leaves the
     previous checkpoint intact. A failed write (a full disk, a quota, a vanished mount) ends the run
     in one line, and removes the partial file, which would hold the space the next try needs."""
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # AdamW's state keyed by parameter name, not number
+    state = {"model": model_state, "optimizer": optimizer_state,
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -600,12 +602,11 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
         fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
-    model.load_state_dict(state["model"])
     # The checkpoint says where training is; this run's flags say how it goes on. The saved groups hold
     # the --lr and --weight-decay of the run that wrote them, and its device's kernel (fused=False on a CPU).
     for saved, group in zip(state["optimizer"]["param_groups"], optimizer.param_groups):
         saved.update({key: value for key, value in group.items() if key != "params"})
-    optimizer.load_state_dict(state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     scheduler.load_state_dict({**state["scheduler"], "base_lrs": scheduler.base_lrs})
     for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base_lr * factor(scheduler.last_epoch)  # this run's schedule where the saved one stood

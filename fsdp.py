@@ -626,35 +626,26 @@ def evaluate(model, loader, device):
 # -- checkpointing ------------------------------------------------------------
 
 
-def param_names(model, optimizer):
-    """The names of the parameters this process holds (whole, or a shard of each), group by group, in the order its
-    optimizer numbers them."""
-    name_of = {param: name for name, param in model.named_parameters()}
-    return [[name_of[param] for param in group["params"]] for group in optimizer.param_groups]
-
-
 def one_line(error):
     """The first line of what went wrong: of the first failing rank's error, where DCP gathers every rank's into one."""
     error = next(iter(error.failures.values()))[0] if isinstance(error, dcp.CheckpointException) else error
     return (str(error).strip() or type(error).__name__).splitlines()[0]
 
 
-def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
+def save_checkpoint(path, model, optimizer, scheduler, step, config):
     """Every rank writes what it holds (its shards of every tensor, or its pipeline stage's whole tensors) under
     the whole model's names, in parallel, into a new directory; then rank 0 points the link `path` at it and removes
     the old one. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint whole (DCP saving into
-    the old directory would overwrite it in place). `order` names the whole model's parameters, group by group."""
+    the old directory would overwrite it in place)."""
     directory, name = os.path.split(path)
     new = f"{name}-{step:06d}"  # DIR/checkpoint -> checkpoint-000100, beside it
     if dist.get_rank() == 0:
         shutil.rmtree(os.path.join(directory, new), ignore_errors=True)  # left by a crash in the middle of this save
     dist.barrier()
-    # Tensors under the whole model's names, AdamW's state keyed by those names (a plain optimizer's numbers them), and
-    # the rest as objects, the same on every rank: DCP writes one copy of each.
+    # Tensors under the whole model's names, AdamW's state keyed by those names, and the rest as objects, the same on
+    # every rank: DCP writes one copy of each.
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
-    for group, names in zip(state["optimizer"]["param_groups"], order):  # every rank's names: the same groups on all
-        group["params"] = names
     try:  # a file per rank, then .metadata: nothing is gathered
         dcp.save(state, checkpoint_id=os.path.join(directory, new))
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001  any error on any rank: all ranks stop
@@ -693,7 +684,7 @@ def read_checkpoint(path, state):
         fail(f"cannot read checkpoint {path + '.pt' if state is None else path}: {one_line(e)}")
 
 
-def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
+def load_checkpoint(path, model, optimizer, scheduler, config, device):
     """Restore this process's training state in place and return the step to continue from: from the checkpoint at
     `path`, a directory of tensors saved by any number of processes (DCP reshards it), or from the checkpoint.pt
     beside it, the whole model in one file (as one-process and DDP runs save it)."""
@@ -708,13 +699,10 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
         fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
-    if whole:  # a plain optimizer numbers the whole model's parameters in the order of its groups; ours names them
-        names = list(itertools.chain(*order))
-        plain = state["optimizer"]
-        plain["state"] = {names[i] if isinstance(i, int) else i: value for i, value in plain["state"].items()}
-        for plain_group in plain["param_groups"]:
-            plain_group["params"] = [names[i] if isinstance(i, int) else i for i in plain_group["params"]]
-    else:
+    if whole and any(isinstance(key, int) for key in state["optimizer"]["state"]):  # set_state_dict would drop them
+        fail(f"{path}.pt numbers its optimizer state, as these scripts did before 2026-11-26: run the script that wrote "
+             "it, as it is now, a step further to save it with names")
+    if not whole:
         state.update(read_checkpoint(path, {"model": get_model_state_dict(model),
                                             "optimizer": get_optimizer_state_dict(model, optimizer)}))
     options = StateDictOptions(full_state_dict=whole, strict=not whole)  # whole tensors: each rank keeps its part
@@ -758,7 +746,6 @@ def main(args):
         model.to_empty(device=device)  # allocates this rank's shards, uninitialised
         init_weights(model, args.seed)
     optimizer, scheduler = configure_optimizer(model, args, device)
-    order = param_names(model, optimizer)  # each rank holds a shard of every parameter: the whole model's names
     per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # samples in one forward pass
     num_val = len(val_set)
     val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))  # the same for any world size
@@ -779,7 +766,7 @@ def main(args):
     if len(set(found)) > 1:
         fail("some ranks found a checkpoint and some did not: all must read one checkpoint, in a shared --ckpt-dir")
     if found[0]:
-        step = load_checkpoint(ckpt_path, model, optimizer, scheduler, config, device, order)
+        step = load_checkpoint(ckpt_path, model, optimizer, scheduler, config, device)
         log.info(f"resumed from {ckpt_path} at step {step}")
     steps = [None] * world_size
     dist.all_gather_object(steps, step)  # ranks that resumed from different checkpoints, or none, would train apart
@@ -878,7 +865,7 @@ def main(args):
                 dist.all_reduce(finite, dist.ReduceOp.MIN)  # this rank's shards, then every rank's: all stop, or none
                 if not finite:
                     diverged(step, "the weights are no longer finite")
-                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, order)  # every rank writes its part
+                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)  # every rank writes its part
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
                 log.info(f"step {step:>5} | saved {ckpt_path}")
             if stop:

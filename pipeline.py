@@ -679,8 +679,7 @@ def evaluate(schedule, model, loader, device):
 
 
 def param_names(model, optimizer):
-    """The names of the parameters this process holds (whole, or a shard of each), group by group, in the order its
-    optimizer numbers them."""
+    """The names of the parameters this process's stage holds, group by group."""
     name_of = {param: name for name, param in model.named_parameters()}
     return [[name_of[param] for param in group["params"]] for group in optimizer.param_groups]
 
@@ -695,17 +694,17 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
     """Every rank writes what it holds (its shards of every tensor, or its pipeline stage's whole tensors) under
     the whole model's names, in parallel, into a new directory; then rank 0 points the link `path` at it and removes
     the old one. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint whole (DCP saving into
-    the old directory would overwrite it in place). `order` names the whole model's parameters, group by group."""
+    the old directory would overwrite it in place). `order` names every stage's parameters, group by group."""
     directory, name = os.path.split(path)
     new = f"{name}-{step:06d}"  # DIR/checkpoint -> checkpoint-000100, beside it
     if dist.get_rank() == 0:
         shutil.rmtree(os.path.join(directory, new), ignore_errors=True)  # left by a crash in the middle of this save
     dist.barrier()
-    # Tensors under the whole model's names, AdamW's state keyed by those names (a plain optimizer's numbers them), and
-    # the rest as objects, the same on every rank: DCP writes one copy of each.
+    # Tensors under the whole model's names, AdamW's state keyed by those names, and the rest as objects, the same on
+    # every rank: DCP writes one copy of each, so each rank's groups name every stage's parameters.
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
-    for group, names in zip(state["optimizer"]["param_groups"], order):  # every rank's names: the same groups on all
+    for group, names in zip(state["optimizer"]["param_groups"], order):
         group["params"] = names
     try:  # a file per rank, then .metadata: nothing is gathered
         dcp.save(state, checkpoint_id=os.path.join(directory, new))
@@ -745,7 +744,7 @@ def read_checkpoint(path, state):
         fail(f"cannot read checkpoint {path + '.pt' if state is None else path}: {one_line(e)}")
 
 
-def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
+def load_checkpoint(path, model, optimizer, scheduler, config, device):
     """Restore this process's training state in place and return the step to continue from: from the checkpoint at
     `path`, a directory of tensors saved by any number of processes (DCP reshards it), or from the checkpoint.pt
     beside it, the whole model in one file (as one-process and DDP runs save it)."""
@@ -760,13 +759,10 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device, order):
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
         fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
-    if whole:  # a plain optimizer numbers the whole model's parameters in the order of its groups; ours names them
-        names = list(itertools.chain(*order))
-        plain = state["optimizer"]
-        plain["state"] = {names[i] if isinstance(i, int) else i: value for i, value in plain["state"].items()}
-        for plain_group in plain["param_groups"]:
-            plain_group["params"] = [names[i] if isinstance(i, int) else i for i in plain_group["params"]]
-    else:
+    if whole and any(isinstance(key, int) for key in state["optimizer"]["state"]):  # set_state_dict would drop them
+        fail(f"{path}.pt numbers its optimizer state, as these scripts did before 2026-11-26: run the script that wrote "
+             "it, as it is now, a step further to save it with names")
+    if not whole:
         state.update(read_checkpoint(path, {"model": get_model_state_dict(model),
                                             "optimizer": get_optimizer_state_dict(model, optimizer)}))
     options = StateDictOptions(full_state_dict=whole, strict=not whole)  # whole tensors: each rank keeps its part
@@ -825,8 +821,7 @@ def main(args):
     optimizer, scheduler = configure_optimizer(model, args, device)
     every_stage_names = [None] * world_size
     dist.all_gather_object(every_stage_names, param_names(model, optimizer))
-    # An unsplit model's optimizer numbers its parameters group by group, each group in the model's order: here,
-    # stage after stage.
+    # The whole model's parameters, group by group, stage after stage: as an unsplit model's optimizer holds them.
     order = [[name for names in every_stage_names for name in names[i]] for i in range(len(optimizer.param_groups))]
     num_val = len(val_set)
     val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))  # the same for any world size
@@ -847,7 +842,7 @@ def main(args):
     if len(set(found)) > 1:
         fail("some ranks found a checkpoint and some did not: all must read one checkpoint, in a shared --ckpt-dir")
     if found[0]:
-        step = load_checkpoint(ckpt_path, model, optimizer, scheduler, config, device, order)
+        step = load_checkpoint(ckpt_path, model, optimizer, scheduler, config, device)
         log.info(f"resumed from {ckpt_path} at step {step}")
     steps = [None] * world_size
     dist.all_gather_object(steps, step)  # ranks that resumed from different checkpoints, or none, would train apart

@@ -371,6 +371,16 @@ def halfway(tmp_path_factory):
     return Runs(tmp_path_factory, "--max-steps", HALF, "--lr-decay-steps", STEPS)
 
 
+def numbered(optimizer_state):
+    """An optimizer state dict keyed as optimizer.state_dict() keys it, by number in the order of its groups: every
+    checkpoint keys it by parameter name in that order (a DCP checkpoint, converted, holds its tuples as lists)."""
+    numbers = {key: number for number, key in
+               enumerate(key for group in optimizer_state["param_groups"] for key in group["params"])}
+    groups = [{**{key: list(value) if isinstance(value, tuple) else value for key, value in group.items()},
+               "params": [numbers[key] for key in group["params"]]} for group in optimizer_state["param_groups"]]
+    return {"state": {numbers[key]: state for key, state in optimizer_state["state"].items()}, "param_groups": groups}
+
+
 def resume_in(run, directory):
     """A copy of `run`'s checkpoint directory at `directory`, to resume in: the shared run stays as it was."""
     assert run.run.returncode == 0, run.run.output

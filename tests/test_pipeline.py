@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import (HALF, LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, fails_cleanly, import_script, injected,
-                      kill_a_worker, load, max_param_diff, resume_in, run, run_command, scalars, trains_compiled_like_eager)
+                      kill_a_worker, load, max_param_diff, numbered, resume_in, run, run_command, scalars,
+                      trains_compiled_like_eager)
 from test_training import LOSS_ATOL
 
 
@@ -23,16 +24,6 @@ def same_as_single_gpu(trained, ckpt_dir, log_dir):
     expected, got = scalars(reference.log_dir)["train/loss"], scalars(log_dir)["train/loss"]
     assert expected.keys() == got.keys()
     return weights, max(abs(expected[step] - got[step]) for step in expected)
-
-
-def numbered(optimizer_state):
-    """An optimizer state dict keyed as a plain optimizer keys it, by number in the order of its groups: a DCP
-    checkpoint's, converted, keys it by parameter name in that order (and holds its tuples as lists)."""
-    numbers = {key: number for number, key in
-               enumerate(key for group in optimizer_state["param_groups"] for key in group["params"])}
-    groups = [{**{key: list(value) if isinstance(value, tuple) else value for key, value in group.items()},
-               "params": [numbers[key] for key in group["params"]]} for group in optimizer_state["param_groups"]]
-    return {"state": {numbers[key]: state for key, state in optimizer_state["state"].items()}, "param_groups": groups}
 
 
 def same_optimizer_state(got, expected):
@@ -136,23 +127,32 @@ def test_validation_is_exact_with_a_short_last_batch_and_each_stage_copies_what_
     assert copies == {"0": 2 * 13 + 1, "1": 2 * 13 + 1}
 
 
-@pytest.mark.parametrize("first, second", [("single_gpu.py", "pipeline.py"), ("pipeline.py", "single_gpu.py")])
-def test_checkpoints_move_to_and_from_single_gpu(trained, halfway, first, second, tmp_path):
-    """Half a run in one script, the rest in the other: single_gpu.py's checkpoint.pt is read by every stage
-    directly, pipeline.py's DCP directory turns into a checkpoint.pt by the README's one command. Either way the
-    same weights and AdamW moments as single_gpu.py alone: a stage that took another's moments would part from it
-    (or fail on their shapes)."""
+CONVERT = [sys.executable, "-m", "torch.distributed.checkpoint.format_utils"]  # the README's commands
+
+
+@pytest.mark.parametrize("first, second, convert", [("single_gpu.py", "pipeline.py", None),
+                                                    ("single_gpu.py", "pipeline.py", "torch_to_dcp"),
+                                                    ("pipeline.py", "single_gpu.py", "dcp_to_torch")])
+def test_checkpoints_move_to_and_from_single_gpu(trained, halfway, first, second, convert, tmp_path):
+    """Half a run in one script, the rest in the other: single_gpu.py's checkpoint.pt is read by every stage directly,
+    or turned into DCP shards by torch's command; pipeline.py's shards turn into a checkpoint.pt by the other. Every
+    script keys AdamW's state by name, so nothing is renamed. Each way ends on single_gpu.py's weights and moments:
+    a stage that took another's moments would part from it (or fail on their shapes)."""
     ckpt_dir = resume_in(halfway[first], tmp_path / "ckpt")
-    if first == "pipeline.py":
-        subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
-                        ckpt_dir / "checkpoint", ckpt_dir / "checkpoint.pt"], check=True)
+    shards, whole = ckpt_dir / "checkpoint", ckpt_dir / "checkpoint.pt"
+    if convert == "dcp_to_torch":
+        subprocess.run([*CONVERT, convert, shards, whole], check=True)
         shutil.rmtree(ckpt_dir / f"checkpoint-{HALF:06d}")
-        (ckpt_dir / "checkpoint").unlink()
+        shards.unlink()
+    elif convert == "torch_to_dcp":  # into the layout pipeline.py saves: a directory per step, and a link to it
+        subprocess.run([*CONVERT, convert, whole, ckpt_dir / f"checkpoint-{HALF:06d}"], check=True)
+        shards.symlink_to(f"checkpoint-{HALF:06d}")
+        whole.unlink()
     result = run(second, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / second)
     assert result.returncode == 0, result.output
-    if second == "pipeline.py":
-        assert f"reading {ckpt_dir / 'checkpoint'}.pt, the checkpoint of another script" in result.output, result.output
-        (ckpt_dir / "checkpoint.pt").unlink()  # the one that pipeline.py resumed from; its own is the later
+    if second == "pipeline.py" and convert is None:
+        assert f"reading {whole}, the checkpoint of another script" in result.output, result.output
+        whole.unlink()  # the one that pipeline.py resumed from; its own is the later
     assert f"at step {HALF}" in result.output, result.output
     got, expected = load(ckpt_dir), load(trained["single_gpu.py"].ckpt_dir)
     assert max_param_diff(got["model"], expected["model"]) <= PARAM_ATOL

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from conftest import (DISTRIBUTED, FP32, HALF, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, WARNING,
-                      checkpoint_name, import_script, injected, load, max_param_diff, resume_in, run, scalars)
+                      checkpoint_name, fails_cleanly, import_script, injected, load, max_param_diff, numbered, resume_in,
+                      run, scalars)
 
 LOSS_ATOL = 1e-5
 
@@ -132,6 +133,36 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     assert got == {step: loss for step, loss in expected.items() if step > HALF}
 
 
+def test_every_checkpoint_names_the_optimizer_state_and_an_older_numbered_one_still_resumes(trained, halfway, tmp_path):
+    """Every script keys AdamW's state by parameter name (torch's get_state_dict), so torch's converters need no help.
+    A checkpoint.pt from before 2026-11-26 numbers it, as optimizer.state_dict() does: single_gpu.py resumes it bit
+    for bit (set_state_dict maps numbers by position) and saves names; fsdp.py and pipeline.py, whose load of a whole
+    state would drop numbered moments, refuse it in one line and leave it as it was."""
+    for script in trained:
+        state = load(trained[script].ckpt_dir)["optimizer"]
+        assert all(isinstance(key, str) for key in state["state"]) and state["state"].keys() == {
+            name for group in state["param_groups"] for name in group["params"]}, script
+    ckpt_dir = resume_in(halfway["single_gpu.py"], tmp_path / "ckpt")
+    path = ckpt_dir / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    state["optimizer"] = numbered(state["optimizer"])
+    torch.save(state, path)
+    before = path.read_bytes()
+    for script in "fsdp.py", "pipeline.py":
+        fails_cleanly(script, ["--ckpt-dir", ckpt_dir, "--max-steps", STEPS], f"{path} numbers its optimizer state, as "
+                      "these scripts did before 2026-11-26: run the script that wrote it, as it is now, a step further "
+                      "to save it with names")
+        assert path.read_bytes() == before
+    result = run("single_gpu.py", *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb")
+    assert result.returncode == 0 and f"resumed from {path} at step {HALF}" in result.output, result.output
+    resumed, uninterrupted = load(ckpt_dir), load(trained["single_gpu.py"].ckpt_dir)
+    assert resumed["optimizer"]["state"].keys() == uninterrupted["optimizer"]["state"].keys()  # names again
+    for name, value in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][name], value), name
+    for name, state in uninterrupted["optimizer"]["state"].items():
+        assert all(torch.equal(resumed["optimizer"]["state"][name][key], value) for key, value in state.items()), name
+
+
 @pytest.mark.parametrize("script", ["single_gpu.py", "fsdp.py"])  # a checkpoint.pt, and a DCP directory
 def test_a_finished_run_started_again_trains_no_more(trained, script, tmp_path):
     ckpt_dir = resume_in(trained[script], tmp_path / "ckpt")
@@ -191,9 +222,8 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
     if sharded_or_staged:  # their functions need a process group: a world of one, in this process
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         request.addfinalizer(dist.destroy_process_group)
-    # fsdp.py's and pipeline.py's functions also take the names of the whole model's parameters (in a world of one,
-    # this process's).
-    order = (lambda model, optimizer: [module.param_names(model, optimizer)]) if sharded_or_staged else lambda *_: []
+    # pipeline.py's save also takes every stage's parameter names, group by group (in a world of one, this process's).
+    order = (lambda model, optimizer: [module.param_names(model, optimizer)]) if script == "pipeline.py" else lambda *_: []
     flags = argparse.Namespace(seq_len=4, d_model=8, n_layers=1, n_heads=2)
     tokens = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(0))
 
@@ -219,7 +249,7 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
 
     model, optimizer, scheduler, config = build(fused=not saved_fused)
     cpu = torch.device("cpu")
-    assert module.load_checkpoint(path, model, optimizer, scheduler, config, cpu, *order(model, optimizer)) == 1
+    assert module.load_checkpoint(path, model, optimizer, scheduler, config, cpu) == 1
     assert [group["fused"] for group in optimizer.param_groups] == [not saved_fused]
     for param, saved_param in zip(model.parameters(), saved[0].parameters()):  # Adam's moments arrived
         for key in "exp_avg", "exp_avg_sq":
