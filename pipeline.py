@@ -759,7 +759,7 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
         fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
-    if whole and any(isinstance(key, int) for key in state["optimizer"]["state"]):  # set_state_dict would drop them
+    if whole and any(isinstance(key, int) for key in state["optimizer"]["state"]):  # torch's load: a KeyError
         fail(f"{path}.pt numbers its optimizer state, as these scripts did before 2026-11-26: run the script that wrote "
              "it, as it is now, a step further to save it with names")
     if not whole:

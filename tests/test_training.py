@@ -137,7 +137,7 @@ def test_every_checkpoint_names_the_optimizer_state_and_an_older_numbered_one_st
     """Every script keys AdamW's state by parameter name (torch's get_state_dict), so torch's converters need no help.
     A checkpoint.pt from before 2026-11-26 numbers it, as optimizer.state_dict() does: single_gpu.py resumes it bit
     for bit (set_state_dict maps numbers by position) and saves names; fsdp.py and pipeline.py, whose load of a whole
-    state would drop numbered moments, refuse it in one line and leave it as it was."""
+    state fails on numbers (a KeyError from torch, 2.8 to 2.13), refuse it in one line and leave it as it was."""
     for script in trained:
         state = load(trained[script].ckpt_dir)["optimizer"]
         assert all(isinstance(key, str) for key in state["state"]) and state["state"].keys() == {
