@@ -12,6 +12,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import glob
 import gc
 import itertools
 import logging
@@ -83,6 +84,8 @@ def parse_args():
                         help="TensorBoard directory")
     parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint.pt here and resume from it (default: off)")
     parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
+                        help="keep the last K checkpoints, numbered by step (default 1: the latest alone)")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model: slower start, faster steps")
@@ -569,10 +572,11 @@ def evaluate(model, loader, device):
 # -- checkpointing ------------------------------------------------------------
 
 
-def save_checkpoint(path, model, optimizer, scheduler, step, config):
+def save_checkpoint(path, model, optimizer, scheduler, step, config, keep):
     """Write to a temporary file, then rename it over the old one: a crash mid-write leaves the
     previous checkpoint intact. A failed write (a full disk, a quota, a vanished mount) ends the run
-    in one line, and removes the partial file, which would hold the space the next try needs."""
+    in one line, and removes the partial file, which would hold the space the next try needs. With
+    `keep` above 1, DIR/checkpoint-000100.pt and the like name the last `keep` checkpoints' files."""
     model_state, optimizer_state = get_state_dict(model, optimizer)  # AdamW's state keyed by parameter name, not number
     state = {"model": model_state, "optimizer": optimizer_state,
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
@@ -583,6 +587,14 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config):
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
+        if keep > 1:
+            numbered = f"{path[:-3]}-{step:06d}.pt"  # DIR/checkpoint.pt -> DIR/checkpoint-000100.pt
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(numbered)  # this step's, from before a run went back to an earlier checkpoint
+            os.link(path, numbered)  # a hard link: no copy, no space
+            history = sorted(glob.glob(glob.escape(path[:-3]) + "-*.pt"), key=lambda old: (os.path.getmtime(old), old))
+            for old in history[:-keep]:  # the oldest written
+                os.remove(old)
     except Exception as error:  # noqa: BLE001  torch.save raises RuntimeError, with the OSError as its context
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
@@ -740,7 +752,7 @@ def main(args):
                 if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device
                     diverged(step, "the weights are no longer finite")
                 if is_main_process:
-                    save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)
+                    save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, args.keep_checkpoints)
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
                 log.info(f"step {step:>5} | saved {ckpt_path}")
             if stop:

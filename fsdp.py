@@ -93,6 +93,8 @@ def parse_args():
     parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint here, a directory of shards, and resume from it "
                         "(or from another script's DIR/checkpoint.pt; default: off)")
     parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
+                        help="keep the last K checkpoints, numbered by step (default 1: the latest alone)")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
@@ -632,11 +634,11 @@ def one_line(error):
     return (str(error).strip() or type(error).__name__).splitlines()[0]
 
 
-def save_checkpoint(path, model, optimizer, scheduler, step, config):
+def save_checkpoint(path, model, optimizer, scheduler, step, config, keep):
     """Every rank writes what it holds (its shards of every tensor, or its pipeline stage's whole tensors) under
     the whole model's names, in parallel, into a new directory; then rank 0 points the link `path` at it and removes
     the old one. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint whole (DCP saving into
-    the old directory would overwrite it in place)."""
+    the old directory would overwrite it in place). The `keep` directories written last stay."""
     directory, name = os.path.split(path)
     new = f"{name}-{step:06d}"  # DIR/checkpoint -> checkpoint-000100, beside it
     if dist.get_rank() == 0:
@@ -666,9 +668,10 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config):
             os.remove(path + ".tmp")
         os.symlink(new, path + ".tmp")
         os.replace(path + ".tmp", path)
-        for old in os.listdir(directory):
-            if old.startswith(name + "-") and old != new:
-                shutil.rmtree(os.path.join(directory, old), ignore_errors=True)  # the link has moved on: not fatal
+        history = sorted((os.path.join(directory, old) for old in os.listdir(directory) if old.startswith(name + "-")),
+                         key=lambda old: (os.path.getmtime(old), old))
+        for old in history[:-keep]:  # the oldest written
+            shutil.rmtree(old, ignore_errors=True)  # the link has moved on: not fatal
 
 
 def read_checkpoint(path, state):
@@ -865,7 +868,8 @@ def main(args):
                 dist.all_reduce(finite, dist.ReduceOp.MIN)  # this rank's shards, then every rank's: all stop, or none
                 if not finite:
                     diverged(step, "the weights are no longer finite")
-                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config)  # every rank writes its part
+                # every rank writes its part
+                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, args.keep_checkpoints)
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
                 log.info(f"step {step:>5} | saved {ckpt_path}")
             if stop:

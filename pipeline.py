@@ -94,6 +94,8 @@ def parse_args():
     parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint here, a directory of each stage's tensors, and resume "
                         "from it (or from another script's DIR/checkpoint.pt; default: off)")
     parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
+                        help="keep the last K checkpoints, numbered by step (default 1: the latest alone)")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
@@ -587,6 +589,12 @@ def configure_optimizer(model, args, device):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
+def param_names(model, optimizer):
+    """The names of the parameters this process's stage holds, group by group."""
+    name_of = {param: name for name, param in model.named_parameters()}
+    return [[name_of[param] for param in group["params"]] for group in optimizer.param_groups]
+
+
 def train_step(schedule, model, optimizer, scheduler, batches, args, device):
     """One optimizer step: the schedule cuts the batch into --grad-accum micro-batches and runs them through the
     stages. Returns the mean loss as a tensor, on the last stage (zero on the others): reading it with .item()
@@ -678,33 +686,27 @@ def evaluate(schedule, model, loader, device):
 # -- checkpointing ------------------------------------------------------------
 
 
-def param_names(model, optimizer):
-    """The names of the parameters this process's stage holds, group by group."""
-    name_of = {param: name for name, param in model.named_parameters()}
-    return [[name_of[param] for param in group["params"]] for group in optimizer.param_groups]
-
-
 def one_line(error):
     """The first line of what went wrong: of the first failing rank's error, where DCP gathers every rank's into one."""
     error = next(iter(error.failures.values()))[0] if isinstance(error, dcp.CheckpointException) else error
     return (str(error).strip() or type(error).__name__).splitlines()[0]
 
 
-def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
+def save_checkpoint(path, model, optimizer, scheduler, step, config, order, keep):
     """Every rank writes what it holds (its shards of every tensor, or its pipeline stage's whole tensors) under
     the whole model's names, in parallel, into a new directory; then rank 0 points the link `path` at it and removes
     the old one. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint whole (DCP saving into
-    the old directory would overwrite it in place). `order` names every stage's parameters, group by group."""
+    the old directory would overwrite it in place). The `keep` directories written last stay."""
     directory, name = os.path.split(path)
     new = f"{name}-{step:06d}"  # DIR/checkpoint -> checkpoint-000100, beside it
     if dist.get_rank() == 0:
         shutil.rmtree(os.path.join(directory, new), ignore_errors=True)  # left by a crash in the middle of this save
     dist.barrier()
     # Tensors under the whole model's names, AdamW's state keyed by those names, and the rest as objects, the same on
-    # every rank: DCP writes one copy of each, so each rank's groups name every stage's parameters.
+    # every rank: DCP writes one copy of each.
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
-    for group, names in zip(state["optimizer"]["param_groups"], order):
+    for group, names in zip(state["optimizer"]["param_groups"], order):  # one rank's groups: every stage's names
         group["params"] = names
     try:  # a file per rank, then .metadata: nothing is gathered
         dcp.save(state, checkpoint_id=os.path.join(directory, new))
@@ -726,9 +728,10 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, order):
             os.remove(path + ".tmp")
         os.symlink(new, path + ".tmp")
         os.replace(path + ".tmp", path)
-        for old in os.listdir(directory):
-            if old.startswith(name + "-") and old != new:
-                shutil.rmtree(os.path.join(directory, old), ignore_errors=True)  # the link has moved on: not fatal
+        history = sorted((os.path.join(directory, old) for old in os.listdir(directory) if old.startswith(name + "-")),
+                         key=lambda old: (os.path.getmtime(old), old))
+        for old in history[:-keep]:  # the oldest written
+            shutil.rmtree(old, ignore_errors=True)  # the link has moved on: not fatal
 
 
 def read_checkpoint(path, state):
@@ -947,7 +950,8 @@ def main(args):
                 dist.all_reduce(finite, dist.ReduceOp.MIN)  # this stage's weights, then every stage's: all stop, or none
                 if not finite:
                     diverged(step, "the weights are no longer finite")
-                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, order)  # every rank writes its part
+                # every rank writes its part
+                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, order, args.keep_checkpoints)
                 dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
                 log.info(f"step {step:>5} | saved {ckpt_path}")
             if stop:

@@ -2,6 +2,7 @@
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 
@@ -133,6 +134,40 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     assert got == {step: loss for step, loss in expected.items() if step > HALF}
 
 
+@pytest.mark.parametrize("script", ["single_gpu.py", "fsdp.py"])  # a checkpoint.pt, and a DCP directory
+def test_keep_checkpoints_keeps_the_last_ones_and_any_of_them_resumes(trained, script, tmp_path):
+    """--keep-checkpoints 3, a save every 4 steps: after 12 steps, those of steps 4, 8 and 12, numbered; the resumed
+    run's save at 16 removes step 4's. The latest resumes, and so does an older one copied out as the latest (a roll
+    back): both runs end on the uninterrupted run's weights, bit for bit."""
+    ckpt_dir, back, pt = tmp_path / "ckpt", tmp_path / "back", ".pt" if script == "single_gpu.py" else ""
+
+    def train(directory, steps, resumed_at=None):
+        result = run(script, *TINY, "--max-steps", steps, "--lr-decay-steps", STEPS, "--ckpt-every", 4,
+                     "--keep-checkpoints", 3, "--ckpt-dir", directory, "--log-dir", tmp_path / "tb")
+        assert result.returncode == 0, result.output
+        assert resumed_at is None or f"resumed from {directory / checkpoint_name(script)} at step {resumed_at}" in result.output
+
+    def history(directory):
+        return sorted(path.name for path in directory.glob("checkpoint-*"))
+
+    train(ckpt_dir, 12)
+    assert history(ckpt_dir) == [f"checkpoint-{step:06d}{pt}" for step in (4, 8, 12)]
+    back.mkdir()
+    if pt:
+        shutil.copy(ckpt_dir / "checkpoint-000008.pt", back / "checkpoint.pt")
+    else:
+        shutil.copytree(ckpt_dir / "checkpoint-000008", back / "checkpoint-000008")
+        (back / "checkpoint").symlink_to("checkpoint-000008")
+    train(ckpt_dir, STEPS, resumed_at=12)
+    assert history(ckpt_dir) == [f"checkpoint-{step:06d}{pt}" for step in (8, 12, 16)]
+    assert (ckpt_dir / checkpoint_name(script)).samefile(ckpt_dir / f"checkpoint-{STEPS:06d}{pt}")  # the latest
+    train(back, STEPS, resumed_at=8)
+    expected = load(trained[script].ckpt_dir)["model"]
+    for directory in ckpt_dir, back:
+        got = load(directory)
+        assert got["step"] == STEPS and all(torch.equal(got["model"][name], expected[name]) for name in expected)
+
+
 def test_every_checkpoint_names_the_optimizer_state_and_an_older_numbered_one_still_resumes(trained, halfway, tmp_path):
     """Every script keys AdamW's state by parameter name (torch's get_state_dict), so torch's converters need no help.
     A checkpoint.pt from before 2026-11-26 numbers it, as optimizer.state_dict() does: single_gpu.py resumes it bit
@@ -245,7 +280,7 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
     *saved, config = build(fused=saved_fused)
     train_one_step(*saved)
     path = str(tmp_path / checkpoint_name(script))
-    module.save_checkpoint(path, *saved, 1, config, *order(*saved[:2]))
+    module.save_checkpoint(path, *saved, 1, config, *order(*saved[:2]), 1)  # step 1; keep 1 checkpoint
 
     model, optimizer, scheduler, config = build(fused=not saved_fused)
     cpu = torch.device("cpu")
