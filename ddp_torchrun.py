@@ -12,8 +12,8 @@ import argparse
 import atexit
 import contextlib
 import datetime
-import glob
 import gc
+import glob
 import itertools
 import logging
 import math
@@ -580,25 +580,26 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, keep):
     model_state, optimizer_state = get_state_dict(model, optimizer)  # AdamW's state keyed by parameter name, not number
     state = {"model": model_state, "optimizer": optimizer_state,
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
+    numbered = f"{path[:-3]}-{step:06d}.pt"  # DIR/checkpoint.pt -> DIR/checkpoint-000100.pt
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(numbered)  # this step's, from before a run went back to an earlier checkpoint
         if keep > 1:
-            numbered = f"{path[:-3]}-{step:06d}.pt"  # DIR/checkpoint.pt -> DIR/checkpoint-000100.pt
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(numbered)  # this step's, from before a run went back to an earlier checkpoint
-            os.link(path, numbered)  # a hard link: no copy, no space
-            history = sorted(glob.glob(glob.escape(path[:-3]) + "-*.pt"), key=lambda old: (os.path.getmtime(old), old))
-            for old in history[:-keep]:  # the oldest written
-                os.remove(old)
+            os.link(path + ".tmp", numbered)  # a second name of the file: no copy, no space
+        os.replace(path + ".tmp", path)
     except Exception as error:  # noqa: BLE001  torch.save raises RuntimeError, with the OSError as its context
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
         fail(f"cannot write checkpoint {path}: {next((e for e in causes(error) if isinstance(e, OSError)), error)}")
+    history = sorted(glob.glob(glob.escape(path[:-3]) + "-*.pt"), key=lambda old: (os.path.getmtime(old), old))
+    for old in history[:-keep] if keep > 1 else history:  # the oldest written go
+        with contextlib.suppress(OSError):
+            os.remove(old)
 
 
 def load_checkpoint(path, model, optimizer, scheduler, config, device):

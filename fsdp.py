@@ -636,9 +636,9 @@ def one_line(error):
 
 def save_checkpoint(path, model, optimizer, scheduler, step, config, keep):
     """Every rank writes what it holds (its shards of every tensor, or its pipeline stage's whole tensors) under
-    the whole model's names, in parallel, into a new directory; then rank 0 points the link `path` at it and removes
-    the old one. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint whole (DCP saving into
-    the old directory would overwrite it in place). The `keep` directories written last stay."""
+    the whole model's names, in parallel, into a new directory; then rank 0 points the link `path` at it and keeps
+    the `keep` directories written last. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint
+    whole (DCP saving into the old directory would overwrite it in place)."""
     directory, name = os.path.split(path)
     new = f"{name}-{step:06d}"  # DIR/checkpoint -> checkpoint-000100, beside it
     if dist.get_rank() == 0:
@@ -669,7 +669,7 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, keep):
         os.symlink(new, path + ".tmp")
         os.replace(path + ".tmp", path)
         history = sorted((os.path.join(directory, old) for old in os.listdir(directory) if old.startswith(name + "-")),
-                         key=lambda old: (os.path.getmtime(old), old))
+                         key=lambda old: (os.lstat(old).st_mtime, old))
         for old in history[:-keep]:  # the oldest written
             shutil.rmtree(old, ignore_errors=True)  # the link has moved on: not fatal
 
@@ -702,9 +702,9 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
         fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
-    if whole and any(isinstance(key, int) for key in state["optimizer"]["state"]):  # torch's load: a KeyError
-        fail(f"{path}.pt numbers its optimizer state, as these scripts did before 2026-11-26: run the script that wrote "
-             "it, as it is now, a step further to save it with names")
+    if whole and any(isinstance(p, int) for group in state["optimizer"]["param_groups"] for p in group["params"]):
+        fail(f"{path}.pt numbers its optimizer state, as the one-file scripts did before 2026-11-26: run the script "
+             "that wrote it, as it is now, a step further to save it with names")  # torch's load would raise KeyError
     if not whole:
         state.update(read_checkpoint(path, {"model": get_model_state_dict(model),
                                             "optimizer": get_optimizer_state_dict(model, optimizer)}))

@@ -92,6 +92,22 @@ def test_an_overflowing_step_changes_nothing_and_training_goes_on(fused, caplog)
     assert scheduler.last_epoch == 2
 
 
+def test_a_save_after_only_skipped_steps_leaves_adamw_without_state(tmp_path):
+    """Every step so far skipped, AdamW has no state. torch's get_state_dict makes one by stepping it at lr 0 (step 1,
+    zero moments), on rank 0 alone, which saves: the ranks' next real steps would differ. The save undoes it, writes
+    an empty state, and that resumes to an AdamW as fresh as the uninterrupted one."""
+    module, model, optimizer, scheduler, scaler, step = tiny_fp16_training(init_scale=2.0**40)
+    step()
+    assert scaler.get_scale() == 2.0**39 and not optimizer.state  # skipped
+    config = {"fresh": True}
+    path = str(tmp_path / "checkpoint.pt")
+    module.save_checkpoint(path, model, optimizer, scheduler, scaler, 1, config, 1)
+    assert not optimizer.state and torch.load(path, weights_only=True)["optimizer"]["state"] == {}
+    _, model, optimizer, scheduler, scaler, _ = tiny_fp16_training()
+    assert module.load_checkpoint(path, model, optimizer, scheduler, scaler, config, torch.device("cpu")) == 1
+    assert not optimizer.state and scaler.get_scale() == 2.0**39
+
+
 def test_a_skip_learned_one_step_later_trains_the_same():
     """The script passes each step's scales to the next step, which moves the schedule before its own update:
     every weight, the scale and the schedule end as where each step's outcome is read at once."""

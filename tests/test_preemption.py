@@ -86,7 +86,7 @@ def test_stop_signal_saves_and_the_rerun_ends_bit_for_bit(trained, script, targe
     if script in ("single_gpu.py", "ddp_spawn.py"):
         assert returncode == STOPPED, output
     elif target == "launcher" and returncode == -signal.SIGABRT:
-        assert "Received 15 death signal" in output and "terminate called without an active exception" in output
+        assert "Received 15 death signal" in output and "terminate called without an active exception" in output, output
     else:
         assert returncode == 1, output
         assert (f"exitcode  : {STOPPED}" if target == "worker" else "Received 15 death signal") in output, output

@@ -2,7 +2,6 @@
 
 import argparse
 import re
-import shutil
 import subprocess
 import sys
 
@@ -137,35 +136,29 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
 @pytest.mark.parametrize("script", ["single_gpu.py", "fsdp.py"])  # a checkpoint.pt, and a DCP directory
 def test_keep_checkpoints_keeps_the_last_ones_and_any_of_them_resumes(trained, script, tmp_path):
     """--keep-checkpoints 3, a save every 4 steps: after 12 steps, those of steps 4, 8 and 12, numbered; the resumed
-    run's save at 16 removes step 4's. The latest resumes, and so does an older one copied out as the latest (a roll
-    back): both runs end on the uninterrupted run's weights, bit for bit."""
-    ckpt_dir, back, pt = tmp_path / "ckpt", tmp_path / "back", ".pt" if script == "single_gpu.py" else ""
+    run's save at 16 removes step 4's. Then the README's command makes step 8's the latest, in place, and a run with
+    the default (1) resumes from it and keeps its latest alone. Both runs end on the uninterrupted weights, bit for
+    bit."""
+    ckpt_dir, pt = tmp_path / "ckpt", ".pt" if script == "single_gpu.py" else ""
 
-    def train(directory, steps, resumed_at=None):
+    def train(steps, keep, resumed_at=None):
         result = run(script, *TINY, "--max-steps", steps, "--lr-decay-steps", STEPS, "--ckpt-every", 4,
-                     "--keep-checkpoints", 3, "--ckpt-dir", directory, "--log-dir", tmp_path / "tb")
+                     "--keep-checkpoints", keep, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb")
         assert result.returncode == 0, result.output
-        assert resumed_at is None or f"resumed from {directory / checkpoint_name(script)} at step {resumed_at}" in result.output
+        assert resumed_at is None or f"resumed from {ckpt_dir / checkpoint_name(script)} at step {resumed_at}" in result.output
+        got, expected = load(ckpt_dir), load(trained[script].ckpt_dir)["model"]
+        assert steps < STEPS or all(torch.equal(got["model"][name], expected[name]) for name in expected)
+        return sorted(path.name for path in ckpt_dir.glob("checkpoint-*"))
 
-    def history(directory):
-        return sorted(path.name for path in directory.glob("checkpoint-*"))
-
-    train(ckpt_dir, 12)
-    assert history(ckpt_dir) == [f"checkpoint-{step:06d}{pt}" for step in (4, 8, 12)]
-    back.mkdir()
-    if pt:
-        shutil.copy(ckpt_dir / "checkpoint-000008.pt", back / "checkpoint.pt")
-    else:
-        shutil.copytree(ckpt_dir / "checkpoint-000008", back / "checkpoint-000008")
-        (back / "checkpoint").symlink_to("checkpoint-000008")
-    train(ckpt_dir, STEPS, resumed_at=12)
-    assert history(ckpt_dir) == [f"checkpoint-{step:06d}{pt}" for step in (8, 12, 16)]
+    assert train(12, 3) == [f"checkpoint-{step:06d}{pt}" for step in (4, 8, 12)]
+    assert train(STEPS, 3, resumed_at=12) == [f"checkpoint-{step:06d}{pt}" for step in (8, 12, 16)]
     assert (ckpt_dir / checkpoint_name(script)).samefile(ckpt_dir / f"checkpoint-{STEPS:06d}{pt}")  # the latest
-    train(back, STEPS, resumed_at=8)
-    expected = load(trained[script].ckpt_dir)["model"]
-    for directory in ckpt_dir, back:
-        got = load(directory)
-        assert got["step"] == STEPS and all(torch.equal(got["model"][name], expected[name]) for name in expected)
+    # The README's way back: a new name for the file (`cp` would write step 8 into step 16's file), or a new link.
+    back = ["ln", "-f", "checkpoint-000008.pt", "checkpoint.pt"] if pt else ["ln", "-sfn", "checkpoint-000008", "checkpoint"]
+    subprocess.run(back, cwd=ckpt_dir, check=True)
+    if pt:
+        assert torch.load(ckpt_dir / f"checkpoint-{STEPS:06d}.pt", weights_only=True)["step"] == STEPS  # untouched
+    assert train(STEPS, 1, resumed_at=8) == ([] if pt else [f"checkpoint-{STEPS:06d}"])
 
 
 def test_every_checkpoint_names_the_optimizer_state_and_an_older_numbered_one_still_resumes(trained, halfway, tmp_path):
@@ -185,8 +178,8 @@ def test_every_checkpoint_names_the_optimizer_state_and_an_older_numbered_one_st
     before = path.read_bytes()
     for script in "fsdp.py", "pipeline.py":
         fails_cleanly(script, ["--ckpt-dir", ckpt_dir, "--max-steps", STEPS], f"{path} numbers its optimizer state, as "
-                      "these scripts did before 2026-11-26: run the script that wrote it, as it is now, a step further "
-                      "to save it with names")
+                      "the one-file scripts did before 2026-11-26: run the script that wrote it, as it is now, a step "
+                      "further to save it with names")
         assert path.read_bytes() == before
     result = run("single_gpu.py", *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb")
     assert result.returncode == 0 and f"resumed from {path} at step {HALF}" in result.output, result.output
