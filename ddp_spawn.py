@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -87,6 +88,8 @@ def parse_args():
     parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
                         help="keep the last K checkpoints, numbered by step (default 1: the latest alone)")
+    parser.add_argument("--sync-checkpoints", action="store_true",
+                        help="write each checkpoint before training goes on (default: in the background, from a copy)")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model: slower start, faster steps")
@@ -576,14 +579,37 @@ def evaluate(model, loader, device):
 # -- checkpointing ------------------------------------------------------------
 
 
-def save_checkpoint(path, model, optimizer, scheduler, step, config, keep):
-    """Write to a temporary file, then rename it over the old one: a crash mid-write leaves the
-    previous checkpoint intact. A failed write (a full disk, a quota, a vanished mount) ends the run
-    in one line, and removes the partial file, which would hold the space the next try needs. With
-    `keep` above 1, DIR/checkpoint-000100.pt and the like name the last `keep` checkpoints' files."""
+def save_checkpoint(path, model, optimizer, scheduler, step, config, keep, writing, wait):
+    """Copy the training state to host memory, and write the copy in a thread while training goes on (with `wait`,
+    before it goes on). `writing`, the save still in progress, completes first: one at a time. Returns the new save
+    in progress, or None once written. Python waits for the thread on every exit path, errors included."""
+    wait_for_checkpoint(writing, path)
     model_state, optimizer_state = get_state_dict(model, optimizer)  # AdamW's state keyed by parameter name, not number
     state = {"model": model_state, "optimizer": optimizer_state,
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
+    state = host_copy(state)
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the copies from the GPU have arrived
+    writing = in_background(write_checkpoint, path, state, step, keep)
+    return wait_for_checkpoint(writing, path) if wait else writing
+
+
+def host_copy(value):
+    """`value` with its tensors copied to this process's memory, where training does not change them. A GPU's go
+    to pinned (page-locked) memory, which the GPU copies into while the CPU goes on: the caller waits for the GPU."""
+    if isinstance(value, torch.Tensor):
+        pin = value.device.type == "cuda"
+        return torch.empty(value.shape, dtype=value.dtype, pin_memory=pin).copy_(value, non_blocking=pin)
+    if isinstance(value, (dict, list, tuple)):
+        items = [host_copy(item) for item in (value.values() if isinstance(value, dict) else value)]
+        return dict(zip(value, items)) if isinstance(value, dict) else type(value)(items)
+    return value
+
+
+def write_checkpoint(path, state, step, keep):
+    """Write to a temporary file, then rename it over the old one: a crash or a kill mid-write leaves the previous
+    checkpoint intact. A failed write removes the partial file, which would hold the space the next try needs. With
+    `keep` above 1, DIR/checkpoint-000100.pt and the like name the last `keep` checkpoints' files."""
     numbered = f"{path[:-3]}-{step:06d}.pt"  # DIR/checkpoint.pt -> DIR/checkpoint-000100.pt
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -596,14 +622,32 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, keep):
         if keep > 1:
             os.link(path + ".tmp", numbered)  # a second name of the file: no copy, no space
         os.replace(path + ".tmp", path)
-    except Exception as error:  # noqa: BLE001  torch.save raises RuntimeError, with the OSError as its context
+    except BaseException:
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
-        fail(f"cannot write checkpoint {path}: {next((e for e in causes(error) if isinstance(e, OSError)), error)}")
+        raise
     history = sorted(glob.glob(glob.escape(path[:-3]) + "-*.pt"), key=lambda old: (os.path.getmtime(old), old))
     for old in history[:-keep] if keep > 1 else history:  # the oldest written go
         with contextlib.suppress(OSError):
             os.remove(old)
+
+
+def in_background(function, *args):
+    """Call function(*args) in a thread of its own, and return its future."""
+    executor = ThreadPoolExecutor(max_workers=1)
+    future = executor.submit(function, *args)
+    executor.shutdown(wait=False)  # the thread ends when the function returns
+    return future
+
+
+def wait_for_checkpoint(writing, path):
+    """Wait until `writing`, a save in progress (or None), is complete, and return None. A failed write (a full disk,
+    a quota, a vanished mount) ends the run in one line: the checkpoint before it is whole."""
+    try:
+        if writing is not None:
+            writing.result()
+    except Exception as error:  # noqa: BLE001  torch.save raises RuntimeError, with the OSError as its context
+        fail(f"cannot write checkpoint {path}: {next((e for e in causes(error) if isinstance(e, OSError)), error)}")
 
 
 def load_checkpoint(path, model, optimizer, scheduler, config, device):
@@ -696,6 +740,7 @@ def main(rank, args):
     # each bucket of them while the rest of backward runs (compiled too: torch splits the graph at the buckets).
     # Evaluation and checkpoints use the bare model: no "module." prefix in the keys.
     ddp_model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)  # grads reuse bucket memory
+    writing = None  # the checkpoint being written in the background, if any
     received = catch_stop_signals()  # a stop signal from here on saves a checkpoint first
     # stop_requested's group, on the CPU: beside NCCL's on GPUs. Its timeout is not the default group's unless given.
     stop_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))
@@ -754,10 +799,12 @@ def main(rank, args):
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
                 if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device
                     diverged(step, "the weights are no longer finite")
+                wait = args.sync_checkpoints or step == args.max_steps or stop > 0  # the last is whole before the end
                 if is_main_process:
-                    save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, args.keep_checkpoints)
-                dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
-                log.info(f"step {step:>5} | saved {ckpt_path}")
+                    writing = save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, args.keep_checkpoints,
+                                              writing, wait)
+                dist.barrier()  # no rank runs ahead of a save, or exits before the last is written
+                log.info(f"step {step:>5} | " + (f"saving {ckpt_path} in the background" if writing else f"saved {ckpt_path}"))
             if stop:
                 stopped(stop, step, ckpt_path)
     peaks = [None] * world_size

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -96,6 +97,8 @@ def parse_args():
     parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
                         help="keep the last K checkpoints, numbered by step (default 1: the latest alone)")
+    parser.add_argument("--sync-checkpoints", action="store_true",
+                        help="write each checkpoint before training goes on (default: in the background, from a copy)")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
@@ -692,15 +695,17 @@ def one_line(error):
     return (str(error).strip() or type(error).__name__).splitlines()[0]
 
 
-def save_checkpoint(path, model, optimizer, scheduler, step, config, order, keep):
-    """Every rank writes what it holds (its shards of every tensor, or its pipeline stage's whole tensors) under
-    the whole model's names, in parallel, into a new directory; then rank 0 points the link `path` at it and keeps
-    the `keep` directories written last. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint
-    whole (DCP saving into the old directory would overwrite it in place)."""
+def save_checkpoint(path, model, optimizer, scheduler, step, config, order, keep, writing, wait, save_group):
+    """Copy the training state to host memory, and write the copy in a thread while training goes on (with `wait`,
+    before it goes on). `writing`, the save still in progress, completes first: one at a time. Returns the new save
+    in progress, or None once written. Python waits for the thread on every exit path, errors included.
+    DCP does both, its collectives in `save_group`: every rank writes what it holds (its shards of every tensor, or
+    its pipeline stage's whole tensors) under the whole model's names, in parallel, into a new directory."""
+    wait_for_checkpoint(writing, path)
     directory, name = os.path.split(path)
-    new = f"{name}-{step:06d}"  # DIR/checkpoint -> checkpoint-000100, beside it
+    new = os.path.join(directory, f"{name}-{step:06d}")  # DIR/checkpoint -> DIR/checkpoint-000100
     if dist.get_rank() == 0:
-        shutil.rmtree(os.path.join(directory, new), ignore_errors=True)  # left by a crash in the middle of this save
+        shutil.rmtree(new, ignore_errors=True)  # left by a crash in the middle of this save
     dist.barrier()
     # Tensors under the whole model's names, AdamW's state keyed by those names, and the rest as objects, the same on
     # every rank: DCP writes one copy of each.
@@ -708,30 +713,56 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, order, keep
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
     for group, names in zip(state["optimizer"]["param_groups"], order):  # one rank's groups: every stage's names
         group["params"] = names
-    try:  # a file per rank, then .metadata: nothing is gathered
-        dcp.save(state, checkpoint_id=os.path.join(directory, new))
+    writing = dcp.async_save(state, checkpoint_id=new, process_group=save_group)  # a file per rank, then .metadata
+    if dist.get_rank() == 0:  # its save ends when every rank's has: then the link moves on
+        writing = in_background(point_to_checkpoint, writing, path, new, keep)
+    writing.directory = new
+    return wait_for_checkpoint(writing, path) if wait else writing
+
+
+def point_to_checkpoint(writing, path, new, keep):
+    """Once `writing` has written every rank's part into the directory `new`, point the link `path` at it, and keep
+    the `keep` directories written last. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint
+    whole (DCP saving into the old directory would overwrite it in place)."""
+    writing.result()
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path + ".tmp")
+    os.symlink(os.path.basename(new), path + ".tmp")
+    os.replace(path + ".tmp", path)
+    directory, name = os.path.split(path)
+    history = sorted((os.path.join(directory, old) for old in os.listdir(directory) if old.startswith(name + "-")),
+                     key=lambda old: (os.lstat(old).st_mtime, old))
+    for old in history[:-keep]:  # the oldest written
+        shutil.rmtree(old, ignore_errors=True)  # the link has moved on: not fatal
+
+
+def in_background(function, *args):
+    """Call function(*args) in a thread of its own, and return its future."""
+    executor = ThreadPoolExecutor(max_workers=1)
+    future = executor.submit(function, *args)
+    executor.shutdown(wait=False)  # the thread ends when the function returns
+    return future
+
+
+def wait_for_checkpoint(writing, path):
+    """Wait until `writing`, a save in progress (or None), is complete, and return None. A failed write (a full disk,
+    a quota, a vanished mount) ends the run in one line: the checkpoint before it is whole."""
+    try:
+        if writing is not None:
+            writing.result()
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001  any error on any rank: all ranks stop
         exit_if_another_process_failed(e)  # not this disk's fault: a restart may go on
         reason = one_line(e)
         try:  # DCP passes on torch.save's error, which has lost the OS's: a write of this process's own asks again
-            with tempfile.TemporaryFile(dir=directory) as probe:
+            with tempfile.TemporaryFile(dir=os.path.dirname(path)) as probe:
                 probe.write(bytes(2**20))
                 os.fsync(probe.fileno())
         except OSError as error:
             reason = str(error)
         dist.barrier()  # every rank has stopped writing and asked, before rank 0 frees the space
         if dist.get_rank() == 0:  # the partial directory would hold the space
-            shutil.rmtree(os.path.join(directory, new), ignore_errors=True)
-        fail(f"cannot write checkpoint {os.path.join(directory, new)}: {reason}")
-    if dist.get_rank() == 0:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path + ".tmp")
-        os.symlink(new, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        history = sorted((os.path.join(directory, old) for old in os.listdir(directory) if old.startswith(name + "-")),
-                         key=lambda old: (os.lstat(old).st_mtime, old))
-        for old in history[:-keep]:  # the oldest written
-            shutil.rmtree(old, ignore_errors=True)  # the link has moved on: not fatal
+            shutil.rmtree(writing.directory, ignore_errors=True)
+        fail(f"cannot write checkpoint {writing.directory}: {reason}")
 
 
 def read_checkpoint(path, state):
@@ -887,9 +918,11 @@ def main(args):
     # Evaluation has a stage and a schedule of its own, forward only (no loss_fn): on torch 2.10 and 2.11 a stage's
     # first pass decides for good whether the activations it receives take gradients, and step 0 evaluates first.
     eval_schedule = ScheduleGPipe(eval_stage, n_microbatches=args.grad_accum)
+    writing = None  # the checkpoint being written in the background, if any
     received = catch_stop_signals()  # a stop signal from here on saves a checkpoint first
     # stop_requested's group, on the CPU: beside NCCL's on GPUs. Its timeout is not the default group's unless given.
     stop_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))  # the saves' own
     # Rank 0 alone opens a TensorBoard writer; the other ranks enter an empty context, where writer is None.
     with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
         while True:
@@ -951,9 +984,11 @@ def main(args):
                 if not finite:
                     diverged(step, "the weights are no longer finite")
                 # every rank writes its part
-                save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, order, args.keep_checkpoints)
-                dist.barrier()  # no rank runs ahead of, or exits before, a checkpoint being written
-                log.info(f"step {step:>5} | saved {ckpt_path}")
+                wait = args.sync_checkpoints or step == args.max_steps or stop > 0  # the last is whole before the end
+                writing = save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, order, args.keep_checkpoints,
+                                          writing, wait, save_group)
+                dist.barrier()  # no rank runs ahead of a save, or exits before the last is written
+                log.info(f"step {step:>5} | " + (f"saving {ckpt_path} in the background" if writing else f"saved {ckpt_path}"))
             if stop:
                 stopped(stop, step, ckpt_path)
     peaks = [None] * world_size

@@ -48,8 +48,10 @@ WARNING = re.compile(r"Warning|^\[?[WE]\d{4} ", re.MULTILINE)
 # Every process waits at STOP_WHERE until it has received a stop signal (noted by wrapping the handler that the script
 # installs), or the file GO exists (for ranks that no signal reaches): the signal then comes there, whatever the
 # machine's load. STOP_WHERE is "step" (optimizer step STOP_AT, after the gradients' all-reduce), or, once STOP_AT
-# steps are done: "evaluation" (its loss), "save" (torch.save or DCP's save), or "collective": rank 1 enters the next
-# all-reduce, the stop check's, and waits inside it for rank 0, which holds back until the signal or GO.
+# steps are done: "evaluation" (its loss), "save" (DCP's, which every rank calls), or "collective": rank 1 enters the
+# next all-reduce, the stop check's, and waits inside it for rank 0, which holds back until the signal or GO. Or
+# "write": every background write starts 0.5 s late, the write of step STOP_AT's checkpoint waits (its first
+# torch.save), and training goes on to optimizer step STOP_AT + 2, which waits too.
 WAIT_FOR_SIGNAL = ("import os, pathlib, signal, threading, time\n"
                    "import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp, torch.optim\n"
                    "import torch.nn.functional as F\n"
@@ -83,12 +85,28 @@ WAIT_FOR_SIGNAL = ("import os, pathlib, signal, threading, time\n"
                    "step = torch.optim.AdamW.step\n"
                    "def waiting_step(self, *args, **kwargs):\n"
                    "    steps.append(None)\n"
-                   "    if where == 'step' and len(steps) == int(os.environ['STOP_AT']):\n"
+                   "    if len(steps) == int(os.environ['STOP_AT']) + (2 if where == 'write' else 0) and where in ('step', 'write'):\n"
                    "        wait(f'step {len(steps)}')\n"
                    "    return step(self, *args, **kwargs)\n"
                    "torch.optim.AdamW.step = waiting_step\n"
                    "F.cross_entropy = waiting('evaluation', F.cross_entropy, lambda: not torch.is_grad_enabled())\n"
-                   "torch.save, dcp.save = waiting('save', torch.save), waiting('save', dcp.save)\n"
+                   "saving, async_save, save = [0], dcp.async_save, torch.save\n"
+                   "def noting_async_save(state, *args, **kwargs):  # DCP's files hold tensors: the step is noted here\n"
+                   "    saving[0] = state['step']\n"
+                   "    return async_save(state, *args, **kwargs)\n"
+                   "dcp.async_save = waiting('save', noting_async_save)\n"
+                   "def writing(obj, *args, **kwargs):\n"
+                   "    step = obj['step'] if isinstance(obj, dict) and 'step' in obj else saving[0]\n"
+                   "    if where == 'write' and threading.current_thread() is not threading.main_thread() \\\n"
+                   "            and step not in saving[1:]:  # each write starts late: training has changed the weights\n"
+                   "        saving.append(step)\n"
+                   "        time.sleep(0.5)\n"
+                   "    if where == 'write' and threading.current_thread() is not threading.main_thread() \\\n"
+                   "            and step == int(os.environ['STOP_AT']) and not waited:\n"
+                   "        waited.append('write')\n"
+                   "        wait(f'write of step {step}')\n"
+                   "    return save(obj, *args, **kwargs)\n"
+                   "torch.save = writing\n"
                    "dist.all_reduce = waiting('collective', dist.all_reduce)\n")
 
 

@@ -101,7 +101,7 @@ def test_a_save_after_only_skipped_steps_leaves_adamw_without_state(tmp_path):
     assert scaler.get_scale() == 2.0**39 and not optimizer.state  # skipped
     config = {"fresh": True}
     path = str(tmp_path / "checkpoint.pt")
-    module.save_checkpoint(path, model, optimizer, scheduler, scaler, 1, config, 1)
+    module.save_checkpoint(path, model, optimizer, scheduler, scaler, 1, config, 1, None, True)  # written on return
     assert not optimizer.state and torch.load(path, weights_only=True)["optimizer"]["state"] == {}
     _, model, optimizer, scheduler, scaler, _ = tiny_fp16_training()
     assert module.load_checkpoint(path, model, optimizer, scheduler, scaler, config, torch.device("cpu")) == 1

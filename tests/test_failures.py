@@ -202,14 +202,17 @@ def size_on_disk(path):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_full_disk_at_the_second_save_ends_in_one_line_and_keeps_the_first(halfway, trained, script, small_disk):
-    """--ckpt-dir on a disk with room for one checkpoint and a half: the save of step 16, written beside step 8's,
-    runs out of space. One line names the path and the OS error, no partial file is left to hold the space, and
-    step 8's checkpoint is whole: a rerun reads it."""
+    """--ckpt-dir on a disk with room for one checkpoint and a half: the save of step 16, written in the background
+    beside step 8's, runs out of space while training goes on. The next save, step 20's, waits for it first: one line
+    names the path and the OS error, no partial file is left to hold the space, and step 8's checkpoint is whole: a
+    rerun reads it."""
     ckpt = trained[script].ckpt_dir / checkpoint_name(script)
     disk = small_disk(int(1.5 * size_on_disk(ckpt)))
-    flags = [*TINY, "--max-steps", STEPS, "--ckpt-dir", disk, "--log-dir", disk.parent / "tb"]
+    flags = [*TINY, "--max-steps", STEPS + 4, "--lr-decay-steps", STEPS, "--ckpt-dir", disk, "--log-dir", disk.parent / "tb"]
     result = run(script, *flags)
     assert result.returncode != 0, result.output
+    assert re.search(rf"^step +{STEPS} \| saving .* in the background$", result.output, re.MULTILINE), result.output
+    assert re.search(rf"^step +{STEPS + 2} \| loss", result.output, re.MULTILINE), result.output  # trained on
     saved = disk / checkpoint_name(script)
     new = f"{saved}-{STEPS:06d}" if script in ("fsdp.py", "pipeline.py") else saved  # DCP's new directory
     line = rf"^{script}: error: cannot write checkpoint {re.escape(str(new))}: \[Errno 28\] No space left on device$"

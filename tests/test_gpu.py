@@ -101,9 +101,16 @@ def train_and_resume(config, tmp):
     """An uninterrupted run; one that stops half-way and one that resumes it on the GPU; for MOVED, the half-way
     checkpoint resumed on the CPU, and a half on the CPU resumed on the GPU. {name: run}"""
     env = checked(tmp, CHECK_FROM)
-    runs = {"whole": gpu_run(config, *FLAGS, "--ckpt-dir", tmp / "whole", "--log-dir", tmp / "tb-whole", env=env)}
+    runs = {"whole": gpu_run(config, *FLAGS, "--keep-checkpoints", 2, "--ckpt-dir", tmp / "whole", "--log-dir",
+                             tmp / "tb-whole", env=env)}
     half = [*FLAGS, "--max-steps", STEPS // 2]  # the last --max-steps wins
     runs["half"] = gpu_run(config, *half, "--ckpt-dir", tmp / "parts", "--log-dir", tmp / "tb-half", env=env)
+    shutil.copytree(tmp / "parts", tmp / "half", symlinks=True)
+    # The whole run's step 20, written in the background (the half run's last was waited for), as the half's is laid out.
+    (tmp / "whole-20").mkdir()
+    for name in os.listdir(tmp / "half"):  # checkpoint.pt, or the link checkpoint and its directory
+        numbered = tmp / "whole" / re.sub(r"^checkpoint(-\d+)?", f"checkpoint-{STEPS // 2:06d}", name, count=1)
+        os.symlink(numbered.resolve(), tmp / "whole-20" / name)
     if config in MOVED:
         shutil.copytree(tmp / "parts", tmp / "to-cpu", symlinks=True)
     runs["rest"] = gpu_run(config, *FLAGS, "--ckpt-dir", tmp / "parts", "--log-dir", tmp / "tb-rest", env=env)
@@ -233,6 +240,10 @@ def test_trains_resumes_bit_for_bit_and_never_waits_in_a_step(runs, config):
     assert all(torch.equal(resumed["model"][name], uninterrupted["model"][name]) for name in uninterrupted["model"]), \
         f"the resumed run's weights differ by up to {difference:.3g}"
     assert all(torch.equal(a, b) for a, b in zip(tensors(resumed["optimizer"]), tensors(uninterrupted["optimizer"])))
+    # Copied to pinned memory and written while training went on: the copy is of step 20, whole.
+    background, waited = load(tmp / "whole-20"), load(tmp / "half")
+    assert background["step"] == waited["step"] == STEPS // 2
+    assert all(torch.equal(a, b) for a, b in zip(tensors(background), tensors(waited)))
 
 
 @pytest.mark.parametrize("config", MOVED)

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from conftest import (LAUNCHER, ROOT, STEPS, TINY, WAIT_FOR_SIGNAL, environment, injected, kill_all,
-                      launch, load, run, tagged_processes)
+from conftest import (LAUNCHER, ROOT, SCRIPTS, STEPS, TINY, WAIT_FOR_SIGNAL, checkpoint_name, environment, injected,
+                      kill_all, launch, load, run, tagged_processes)
 
 STOPPED = 75  # a stopped process's exit status (EX_TEMPFAIL): saved, to be run again
 
@@ -34,18 +34,14 @@ def stop(script, target, where, tmp_path, workers=0):
     env = environment({**injected(tmp_path, WAIT_FOR_SIGNAL), "LAUNCH_TEST_TAG": tag, "NPROC_PER_NODE": "2",
                        "MAX_RESTARTS": "0",  # a worker that stops is not restarted: the job ends as stopped
                        "STOP_AT": str(stop_at), "STOP_WHERE": where, "GO": str(tmp_path / "go")})
-    waiting = {"step": f"step {stop_at}", "collective": f"the collective after step {stop_at}"}.get(
-        where, f"{where} after step {stop_at}")
+    waiting = {"step": [f"step {stop_at}"], "collective": [f"the collective after step {stop_at}"],
+               "write": [f"write of step {stop_at}", f"step {stop_at + 2}"]}.get(where, [f"{where} after step {stop_at}"])
     argv = [str(LAUNCHER), script, *map(str, flags(tmp_path / "ckpt", tmp_path / "tb", workers))]
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         try:
-            deadline = time.monotonic() + 120
-            while f"waiting in {waiting}" not in log.read():
-                assert proc.poll() is None and time.monotonic() < deadline, "never reached the step"
-                log.seek(0)
-                time.sleep(0.02)
+            wait_for(proc, log, [f"waiting in {place}" for place in waiting])
             if target == "launcher":
                 pid = proc.pid  # torchrun, or python: the launcher execs it
             else:
@@ -60,7 +56,15 @@ def stop(script, target, where, tmp_path, workers=0):
                 kill_all(proc, tag)
                 proc.wait()
         log.seek(0)
-        return returncode, log.read(), stop_at if where == "step" else stop_at + 1
+        return returncode, log.read(), {"step": stop_at, "write": stop_at + 2}.get(where, stop_at + 1)
+
+
+def wait_for(proc, log, lines):
+    """Wait until the output in `log` holds every one of `lines`."""
+    deadline = time.monotonic() + 120
+    while not all(line in (log.seek(0), log.read())[1] for line in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, f"never printed {lines}"
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("script, target, where, workers", [
@@ -70,7 +74,10 @@ def stop(script, target, where, tmp_path, workers=0):
     # Where else a stop lands: in an evaluation through the stages (the last stage computes the loss while the first
     # waits for it), in a save that every rank writes, and inside a collective that one rank waits in.
     ("pipeline.py", "launcher", "evaluation", 0), ("fsdp.py", "worker", "save", 0),
-    ("ddp_torchrun.py", "worker", "collective", 0)])
+    ("ddp_torchrun.py", "worker", "collective", 0),
+    # While a checkpoint is written in the background: the stop waits for it, then saves the stop step.
+    ("single_gpu.py", "launcher", "write", 0), ("ddp_torchrun.py", "worker", "write", 0),
+    ("pipeline.py", "launcher", "write", 0)])
 def test_stop_signal_saves_and_the_rerun_ends_bit_for_bit(trained, script, target, where, workers, tmp_path):
     returncode, output, stop_at = stop(script, target, where, tmp_path, workers)
     stops = re.findall(r"^step +(\d+) \| stopped by SIGTERM: run again to resume from (.+)$", output, re.MULTILINE)
@@ -97,6 +104,40 @@ def test_stop_signal_saves_and_the_rerun_ends_bit_for_bit(trained, script, targe
     assert f"resumed from {stops[0][1]} at step {step}" in rerun.output, rerun.output
     got, expected = load(tmp_path / "ckpt")["model"], load(trained[script].ckpt_dir)["model"]
     assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_kill_during_a_background_write_leaves_the_checkpoint_before_which_resumes_bit_for_bit(trained, script,
+                                                                                                  tmp_path):
+    """Checkpoints every 4 steps, each written in the background. Step 8's write is held, training goes on to step
+    10 meanwhile, and there every process of the job is killed (SIGKILL). Step 4's checkpoint is whole, and the run
+    started again from it ends on the uninterrupted run's weights, moments and schedule, bit for bit."""
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    env = environment({**injected(tmp_path, WAIT_FOR_SIGNAL), "LAUNCH_TEST_TAG": tag, "NPROC_PER_NODE": "2",
+                       "STOP_AT": "8", "STOP_WHERE": "write", "GO": str(tmp_path / "go")})
+    every_4 = [*flags(tmp_path / "ckpt", tmp_path / "tb"), "--ckpt-every", 4]  # the last --ckpt-every wins
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([str(LAUNCHER), script, *map(str, every_4)], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            wait_for(proc, log, ["step     8 | saving", "waiting in write of step 8", "waiting in step 10"])
+        finally:
+            kill_all(proc, tag)
+            proc.wait()
+    saved = load(tmp_path / "ckpt")
+    assert saved["step"] == 4
+    rerun = launch(script, *every_4, env={"NPROC_PER_NODE": "2"})
+    resumed = f"resumed from {tmp_path / 'ckpt' / checkpoint_name(script)} at step 4"
+    assert rerun.returncode == 0 and resumed in rerun.output, rerun.output
+    got, expected = load(tmp_path / "ckpt"), load(trained[script].ckpt_dir)
+    assert got["step"] == expected["step"] == STEPS
+    assert all(torch.equal(got["model"][name], expected["model"][name]) for name in expected["model"])
+    assert all(torch.equal(a, b) for a, b in zip(tensors(got["optimizer"]), tensors(expected["optimizer"])))
+    assert got["scheduler"] == expected["scheduler"]
+
+
+def tensors(state):
+    return [t for t in torch.utils._pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
 
 
 def test_second_signal_while_saving_and_no_ckpt_dir(tmp_path):

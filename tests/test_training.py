@@ -273,7 +273,9 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
     *saved, config = build(fused=saved_fused)
     train_one_step(*saved)
     path = str(tmp_path / checkpoint_name(script))
-    module.save_checkpoint(path, *saved, 1, config, *order(*saved[:2]), 1)  # step 1; keep 1 checkpoint
+    # Step 1, keep 1 checkpoint, none in progress, written before it returns (in the world's group, where DCP's).
+    module.save_checkpoint(path, *saved, 1, config, *order(*saved[:2]), 1, None, True,
+                           *[dist.group.WORLD] if sharded_or_staged else [])
 
     model, optimizer, scheduler, config = build(fused=not saved_fused)
     cpu = torch.device("cpu")
