@@ -638,11 +638,11 @@ def one_line(error):
 
 
 def save_checkpoint(path, model, optimizer, scheduler, step, config, keep, writing, wait, save_group):
-    """Copy the training state to host memory, and write the copy in a thread while training goes on (with `wait`,
-    before it goes on). `writing`, the save still in progress, completes first: one at a time. Returns the new save
-    in progress, or None once written. Python waits for the thread on every exit path, errors included.
-    DCP does both, its collectives in `save_group`: every rank writes what it holds (its shards of every tensor, or
-    its pipeline stage's whole tensors) under the whole model's names, in parallel, into a new directory."""
+    """Copy the training state to host memory and write the copy in a thread while training goes on; or, with
+    `wait`, write the state itself before training goes on. `writing`, the save still in progress, completes first:
+    one at a time. Returns the new save in progress, or None once written. Python waits for the thread as it exits.
+    DCP copies and writes, its collectives in `save_group`: every rank writes what it holds (its shards of every
+    tensor, or its pipeline stage's whole tensors) under the whole model's names, in parallel, into a new directory."""
     wait_for_checkpoint(writing, path)
     directory, name = os.path.split(path)
     new = os.path.join(directory, f"{name}-{step:06d}")  # DIR/checkpoint -> DIR/checkpoint-000100
@@ -653,7 +653,13 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, keep, writi
     # every rank: DCP writes one copy of each.
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
-    writing = dcp.async_save(state, checkpoint_id=new, process_group=save_group)  # a file per rank, then .metadata
+    # A file per rank, then .metadata. DCP's writer copies ahead from a GPU, in a thread where the GPU is GPU 0 on
+    # every rank: it copies nothing ahead, and no rank touches a GPU not its own.
+    writer = dcp.FileSystemWriter(new, per_thread_copy_ahead=0)
+    if wait:  # written before training goes on, from the state itself: no copy
+        writing = in_background(dcp.save, state, storage_writer=writer, process_group=save_group)
+    else:  # DCP copies the state to host memory, then writes the copy in a thread of its own
+        writing = dcp.async_save(state, storage_writer=writer, process_group=save_group)
     if dist.get_rank() == 0:  # its save ends when every rank's has: then the link moves on
         writing = in_background(point_to_checkpoint, writing, path, new, keep)
     writing.directory = new
@@ -670,16 +676,18 @@ def point_to_checkpoint(writing, path, new, keep):
     os.symlink(os.path.basename(new), path + ".tmp")
     os.replace(path + ".tmp", path)
     directory, name = os.path.split(path)
-    history = sorted((os.path.join(directory, old) for old in os.listdir(directory) if old.startswith(name + "-")),
-                     key=lambda old: (os.lstat(old).st_mtime, old))
-    for old in history[:-keep]:  # the oldest written
-        shutil.rmtree(old, ignore_errors=True)  # the link has moved on: not fatal
+    with contextlib.suppress(OSError):  # the link has moved on: not fatal
+        history = sorted((os.path.join(directory, old) for old in os.listdir(directory) if old.startswith(name + "-")),
+                         key=lambda old: (os.lstat(old).st_mtime, old))
+        for old in history[:-keep]:  # the oldest written
+            shutil.rmtree(old, ignore_errors=True)
 
 
-def in_background(function, *args):
-    """Call function(*args) in a thread of its own, and return its future."""
-    executor = ThreadPoolExecutor(max_workers=1)
-    future = executor.submit(function, *args)
+def in_background(function, *args, **kwargs):
+    """Call function(*args, **kwargs) in a thread of its own, on this thread's GPU if any, and return its future."""
+    gpu = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []  # a new thread's is GPU 0
+    executor = ThreadPoolExecutor(max_workers=1, initializer=torch.cuda.set_device if gpu else None, initargs=gpu)
+    future = executor.submit(function, *args, **kwargs)
     executor.shutdown(wait=False)  # the thread ends when the function returns
     return future
 

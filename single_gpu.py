@@ -9,6 +9,7 @@ resume), --d-model, --n-layers, --n-heads and --seq-len scale the model; --help 
 
 import argparse
 import contextlib
+import copy
 import datetime
 import glob
 import itertools
@@ -517,16 +518,17 @@ def evaluate(model, loader, device):
 
 
 def save_checkpoint(path, model, optimizer, scheduler, step, config, keep, writing, wait):
-    """Copy the training state to host memory, and write the copy in a thread while training goes on (with `wait`,
-    before it goes on). `writing`, the save still in progress, completes first: one at a time. Returns the new save
-    in progress, or None once written. Python waits for the thread on every exit path, errors included."""
+    """Copy the training state to host memory and write the copy in a thread while training goes on; or, with
+    `wait`, write the state itself before training goes on. `writing`, the save still in progress, completes first:
+    one at a time. Returns the new save in progress, or None once written. Python waits for the thread as it exits."""
     wait_for_checkpoint(writing, path)
     model_state, optimizer_state = get_state_dict(model, optimizer)  # AdamW's state keyed by parameter name, not number
     state = {"model": model_state, "optimizer": optimizer_state,
              "scheduler": scheduler.state_dict(), "step": step, "config": config}
-    state = host_copy(state)
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # the copies from the GPU have arrived
+    if not wait:
+        state = host_copy(state)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the copies from the GPU have arrived
     writing = in_background(write_checkpoint, path, state, step, keep)
     return wait_for_checkpoint(writing, path) if wait else writing
 
@@ -537,9 +539,12 @@ def host_copy(value):
     if isinstance(value, torch.Tensor):
         pin = value.device.type == "cuda"
         return torch.empty(value.shape, dtype=value.dtype, pin_memory=pin).copy_(value, non_blocking=pin)
-    if isinstance(value, (dict, list, tuple)):
-        items = [host_copy(item) for item in (value.values() if isinstance(value, dict) else value)]
-        return dict(zip(value, items)) if isinstance(value, dict) else type(value)(items)
+    if isinstance(value, dict):
+        copied = copy.copy(value)  # of the same type, with the same attributes: a state dict's _metadata
+        copied.update((key, host_copy(item)) for key, item in value.items())
+        return copied
+    if isinstance(value, (list, tuple)):
+        return type(value)(host_copy(item) for item in value)
     return value
 
 
@@ -569,10 +574,11 @@ def write_checkpoint(path, state, step, keep):
             os.remove(old)
 
 
-def in_background(function, *args):
-    """Call function(*args) in a thread of its own, and return its future."""
-    executor = ThreadPoolExecutor(max_workers=1)
-    future = executor.submit(function, *args)
+def in_background(function, *args, **kwargs):
+    """Call function(*args, **kwargs) in a thread of its own, on this thread's GPU if any, and return its future."""
+    gpu = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []  # a new thread's is GPU 0
+    executor = ThreadPoolExecutor(max_workers=1, initializer=torch.cuda.set_device if gpu else None, initargs=gpu)
+    future = executor.submit(function, *args, **kwargs)
     executor.shutdown(wait=False)  # the thread ends when the function returns
     return future
 

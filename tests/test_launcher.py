@@ -201,9 +201,11 @@ def test_bad_environment_fails_at_once(env, message):
 
 
 def test_rank_that_fails_just_after_a_checkpoint_does_not_lose_it(tmp_path):
-    """Rank 0 takes 3 s to write the step-8 checkpoint; rank 1 fails in the first thing it does after the
-    checkpoint (validation at step 8). The barrier after the save holds rank 1 until the checkpoint is
-    written, so with it the checkpoint is there whatever the timing. Without it, rank 1 fails at once and
+    """With --sync-checkpoints, rank 0 takes 3 s to write the step-8 checkpoint; rank 1 fails in the first thing it
+    does after the checkpoint (validation at step 8). The barrier after the save holds rank 1 until the checkpoint is
+    written, so with it the checkpoint is there whatever the timing. (Written in the background, the default, a
+    checkpoint has torchrun's grace period to end its write; a kill during it leaves the one before: see
+    test_preemption.py.) Without it, rank 1 fails at once and
     torchrun, which looks at its workers every 0.1 s, stops rank 0 long before its 3 s save ends: SIGTERM, which
     rank 0 notes to stop after the save, then SIGKILL after a grace period, 30 s in torchrun and 1 s here (a save of
     a large model can take longer than 30 s)."""
@@ -230,7 +232,7 @@ def test_rank_that_fails_just_after_a_checkpoint_does_not_lose_it(tmp_path):
                              "        return cross_entropy(*args, **kwargs)\n"
                              "    torch.optim.Optimizer.zero_grad = counting_zero_grad\n"
                              "    F.cross_entropy = failing_cross_entropy\n")
-    result = launch("ddp_torchrun.py", *train_flags(tmp_path), env={"MAX_RESTARTS": "0", **env})
+    result = launch("ddp_torchrun.py", *train_flags(tmp_path), "--sync-checkpoints", env={"MAX_RESTARTS": "0", **env})
     assert result.returncode != 0, result.output
     assert "injected failure in rank 1 after step 8" in result.output, result.output
     assert load(tmp_path / "ckpt")["step"] == 8
