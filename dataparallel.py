@@ -112,6 +112,7 @@ def parse_args():
             except OSError as e:
                 fail(f"{flag} {path} is not a directory this process can write to: {e.strerror}")
     args.lr_decay_steps = args.lr_decay_steps or args.max_steps
+    args.memory_snapshot = None  # main() names one where --profile records a GPU's allocations
     return args
 
 
@@ -481,6 +482,15 @@ def diverged(step, what):
          f"with a lower --grad-clip")
 
 
+def write_profile(profiler, trace_path, args):
+    """Write the trace of the profiled steps; on a GPU, also the allocator's snapshot, which
+    https://pytorch.org/memory_viz draws: every block over time, each with the Python lines that allocated it."""
+    profiler.export_chrome_trace(trace_path)
+    if args.memory_snapshot:
+        torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+        log.info(f"wrote {trace_path} and {args.memory_snapshot}")
+
+
 def out_of_memory(error, where, micro_batch, args, device):
     """Stop a run that ran out of memory, saying what to change. Nothing changes by itself: a smaller batch would
     train differently, without a word to the user."""
@@ -500,6 +510,9 @@ def out_of_memory(error, where, micro_batch, args, device):
                   f"micro-batches of {micro_batch // factor}")
     else:
         advice = "one sample is the smallest micro-batch: the model must take less memory"
+    if args.memory_snapshot:  # --profile on a GPU: what held the memory, and which lines allocated it, up to here
+        torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+        advice = f"{advice}; {args.memory_snapshot} shows what held it (open it at https://pytorch.org/memory_viz)"
     fail(f"out of memory in {where}, on micro-batches of {micro_batch} samples per process" +
          (f" (tried to allocate {request[1]})" if request else "") +
          f": a peak of {peak}, of {total / 2**30:.1f} GiB on {', '.join(map(str, devices))}: "
@@ -681,10 +694,15 @@ def main(args):
         if args.max_steps - step < 9:
             fail(f"--profile traces steps {step + 7} to {step + 9}, but --max-steps {args.max_steps} stops before")
         trace_path = os.path.join(args.log_dir, f"trace_rank{rank}.json")
+        # Memory too: every allocation and free, each op's input shapes and the Python lines that called it.
         profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1),
-                                          on_trace_ready=lambda prof: prof.export_chrome_trace(trace_path))
+                                          on_trace_ready=lambda prof: write_profile(prof, trace_path, args),
+                                          profile_memory=True, record_shapes=True, with_stack=True)
         log.info(f"tracing steps {step + 7} to {step + 9} into {trace_path}, one file per process: open it at "
                  f"https://ui.perfetto.dev or in chrome://tracing")
+        if device.type == "cuda":  # the allocator's history from here on, for a snapshot at the trace's end or out of memory
+            args.memory_snapshot = os.path.join(args.log_dir, f"memory_rank{rank}.pickle")
+            torch.cuda.memory._record_memory_history(max_entries=100_000)  # private, as its docs say, from 2.1 to 2.13
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     micro_batches = None

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -41,7 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                         ScheduleInterleavedZeroBubble, ScheduleLoopedBFS)
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, Subset
 from torch.utils.flop_counter import FlopCounterMode
@@ -78,8 +80,12 @@ def parse_args():
     parser.add_argument("--batch-size", type=int, default=32, help="global batch: samples per optimizer step")
     parser.add_argument("--grad-accum", type=int, default=8,
                         help="micro-batches per optimizer step: what flows through the pipeline")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
-                        help="the order of the micro-batches' forward and backward passes on each stage")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zero-bubble"], default="1f1b",
+                        help="the order of the micro-batches' forward and backward passes on each stage (zero-bubble: "
+                        "1f1b with each backward split, the weights' gradients computed in the bubble)")
+    parser.add_argument("--stages-per-process", type=int, default=1, metavar="V",
+                        help="split the blocks into V x N stages, stage s on process s mod N: V times the messages, "
+                        "1/V of the bubble")
     parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps to train for")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=30, help="steps of linear learning-rate warmup")
@@ -121,6 +127,9 @@ def parse_args():
             fail(f"--{name.replace('_', '-')} must be {'zero or more' if name in zero_or_more else 'positive'}, got {value}")
     if args.batch_size % args.grad_accum:
         fail(f"--batch-size {args.batch_size} is not divisible by --grad-accum {args.grad_accum}")
+    if args.schedule == "zero-bubble" and args.compile:  # seen: a compiled backward's buffers are freed after its first half
+        fail("--schedule zero-bubble runs each backward in two halves, which a compiled graph's backward cannot: "
+             "drop --compile or choose another schedule")
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda, but no CUDA device is available")
     for flag, path in [("--log-dir", args.log_dir), ("--ckpt-dir", args.ckpt_dir)]:
@@ -131,6 +140,7 @@ def parse_args():
             except OSError as e:
                 fail(f"{flag} {path} is not a directory this process can write to: {e.strerror}")
     args.lr_decay_steps = args.lr_decay_steps or args.max_steps
+    args.memory_snapshot = None  # main() names one where --profile records a GPU's allocations
     return args
 
 
@@ -388,6 +398,16 @@ def setup(args):
     return device
 
 
+def log_placement(device):
+    """Log, on rank 0, one line per host: its ranks and their devices, gathered from every rank. A GPU is named by the
+    start of its UUID too, which `nvidia-smi -L` prints: CUDA_VISIBLE_DEVICES renumbers the GPUs, it does not."""
+    gpu = f" (GPU-{str(torch.cuda.get_device_properties(device).uuid)[:8]})" if device.type == "cuda" else ""
+    placements = [None] * dist.get_world_size()
+    dist.all_gather_object(placements, (socket.gethostname(), f"rank {dist.get_rank()} on {device}{gpu}"))
+    for host in dict.fromkeys(host for host, _ in placements):  # hosts in the order of their first rank
+        log.info(f"{host}: {', '.join(where for on, where in placements if on == host)}")
+
+
 class SkippingSampler(Sampler):
     """Another sampler's order, from its `start`-th index on: a resumed run skips what its epoch has already trained on
     by index, fetching none of it."""
@@ -421,18 +441,18 @@ def peak_flops(device, precision):
     return peak
 
 
-def split_model(model, stage_index, num_stages, inputs):
-    """Keep this stage's part of the model and drop the rest: a run of consecutive blocks, as even as their
+def split_model(model, stage_indices, num_stages, inputs):
+    """Keep these stages' parts of the model and drop the rest: each a run of consecutive blocks, as even as their
     number allows, and the modules registered before the blocks on the first stage, after them on the last.
-    Returns what each stage holds, by module name, and what this stage takes in and gives out for `inputs`, a
-    micro-batch on the meta device, as the model is."""
+    Returns what each stage holds, by module name, and what each of these stages takes in and gives out for
+    `inputs`, a micro-batch on the meta device, as the model is."""
     if not (isinstance(getattr(model, "blocks", None), nn.ModuleDict) and hasattr(model, "embed") and hasattr(model, "output")):
         fail("pipeline.py runs a model as embed(), the modules of a ModuleDict named blocks, then output(): "
              f"{type(model).__name__} lacks some of them (see README)")
     blocks = list(model.blocks)
     if num_stages > len(blocks):
-        fail(f"{num_stages} processes make {num_stages} pipeline stages, but the model has {len(blocks)} blocks: "
-             f"run at most {len(blocks)} processes")
+        fail(f"{num_stages} pipeline stages (processes x --stages-per-process), but the model has {len(blocks)} blocks: "
+             f"make at most {len(blocks)}")
     if any(True for _ in model.named_parameters(recurse=False)):
         fail("pipeline.py splits the model by its modules: a parameter of the model itself would belong to no stage")
     if len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters())):
@@ -474,26 +494,29 @@ def split_model(model, stage_index, num_stages, inputs):
     parts = [[f"blocks.{name}" for name in run] for run in runs]
     parts[0] = before + parts[0]
     parts[-1] = parts[-1] + after  # the same list as parts[0] in a world of one
-    for name in [name for s, part in enumerate(parts) if s != stage_index for name in part]:
+    for name in [name for s, part in enumerate(parts) if s not in stage_indices for name in part]:
         parent, child = name.split(".") if name.startswith("blocks.") else ("", name)
         # Deleted from a ModuleDict, a block leaves the others' names as they were ("blocks.2" stays "blocks.2"): the
         # stages' state dicts hold the whole model's keys between them, and checkpoints have the unsplit model's keys.
         delattr(model.get_submodule(parent), child)
-    return parts, activations[stage_index], activations[stage_index + 1]
+    return parts, [(activations[s], activations[s + 1]) for s in stage_indices]
 
 
 class Stage(nn.Module):
-    """What one stage runs of the model's forward(): embed() on the first stage, its blocks, output() on the last."""
+    """What one stage runs of the model's forward(): embed() on the first stage, its blocks, output() on the last.
+    It registers its own modules alone: the schedule scales, and may compute, the gradients of each stage apart."""
 
-    def __init__(self, model, is_first, is_last):
+    def __init__(self, model, part, is_first, is_last):
         super().__init__()
-        self.model, self.is_first, self.is_last = model, is_first, is_last
+        self.held = nn.ModuleList(model.get_submodule(name) for name in part)
+        self.blocks = [model.get_submodule(name) for name in part if name.startswith("blocks.")]  # a list: not registered twice
+        self.embed, self.output = model.embed if is_first else None, model.output if is_last else None
 
     def forward(self, x):
-        x = self.model.embed(x) if self.is_first else x
-        for block in self.model.blocks.values():
+        x = self.embed(x) if self.embed else x
+        for block in self.blocks:
             x = block(x)
-        return self.model.output(x) if self.is_last else x
+        return self.output(x) if self.output else x
 
 
 @torch.no_grad()
@@ -630,6 +653,15 @@ def diverged(step, what):
          f"with a lower --grad-clip")
 
 
+def write_profile(profiler, trace_path, args):
+    """Write the trace of the profiled steps; on a GPU, also the allocator's snapshot, which
+    https://pytorch.org/memory_viz draws: every block over time, each with the Python lines that allocated it."""
+    profiler.export_chrome_trace(trace_path)
+    if args.memory_snapshot:
+        torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+        log.info(f"wrote {trace_path} and {args.memory_snapshot}")
+
+
 def out_of_memory(error, where, micro_batch, args, device):
     """Stop a run that ran out of memory, saying what to change. Nothing changes by itself: a smaller batch would
     train differently, without a word to the user."""
@@ -650,6 +682,9 @@ def out_of_memory(error, where, micro_batch, args, device):
     if args.schedule == "gpipe" and where.startswith("step") and args.grad_accum > dist.get_world_size():
         # GPipe keeps every micro-batch's activations until the backward; 1F1B, at most as many as there are stages.
         advice = "--schedule 1f1b, which holds the activations of fewer micro-batches at once"
+    if args.memory_snapshot:  # --profile on a GPU: what held the memory, and which lines allocated it, up to here
+        torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+        advice = f"{advice}; {args.memory_snapshot} shows what held it (open it at https://pytorch.org/memory_viz)"
     fail(f"out of memory in {where}, on micro-batches of {micro_batch} samples per process" +
          (f" (tried to allocate {request[1]})" if request else "") +
          f": a peak of {peak}, of {total / 2**30:.1f} GiB on {device}: "
@@ -825,12 +860,17 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
 
 def main(args):
     device = setup(args)
-    rank, world_size = dist.get_rank(), dist.get_world_size()  # this process's stage, and the number of stages
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    num_stages = world_size * args.stages_per_process
+    stage_indices = list(range(rank, num_stages, world_size))  # this process's stages: the first on rank 0, the last on N-1
     is_main_process = rank == 0  # console, TensorBoard and checkpoints: rank 0 alone writes
     logging.basicConfig(format="%(message)s", level=logging.INFO if is_main_process else logging.WARNING, stream=sys.stdout)
-    if args.schedule == "1f1b" and args.grad_accum < world_size:  # checked here: the world size comes from the group
-        fail(f"--schedule 1f1b needs at least as many micro-batches as stages: --grad-accum {args.grad_accum} is fewer "
-             f"than {world_size} processes")
+    log_placement(device)
+    if args.schedule != "gpipe" and args.grad_accum < world_size:  # checked here: the world size comes from the group
+        fail(f"--schedule {args.schedule} needs at least as many micro-batches as processes: --grad-accum "
+             f"{args.grad_accum} is fewer than {world_size}")
+    if args.stages_per_process > 1 and world_size == 1:
+        fail(f"--stages-per-process {args.stages_per_process} shrinks the bubble of several processes: one has none")
     train_set, val_set, data_info = build_datasets(args)
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size
     if steps_per_epoch == 0:
@@ -846,7 +886,8 @@ def main(args):
     num_params = sum(p.numel() for p in model.parameters())
     sample = train_set[0][0]  # an input's shape and dtype, for a micro-batch of them on the meta device
     micro_batch = torch.empty(args.batch_size // args.grad_accum, *sample.shape, dtype=sample.dtype, device="meta")
-    parts, stage_inputs, stage_outputs = split_model(model, rank, world_size, micro_batch)
+    position = {name: i for i, (name, _) in enumerate(model.named_parameters())}  # the whole model's order
+    parts, examples = split_model(model, stage_indices, num_stages, micro_batch)
     if hasattr(model, "init_tensor"):
         model.to_empty(device=device)  # allocates this stage's tensors, uninitialised
         init_weights(model, args.seed)
@@ -854,28 +895,30 @@ def main(args):
         log.info("the model has no init_tensor(): every process builds it whole, then keeps its stage (see README)")
         model.load_state_dict(build_model(args, data_info)[0].state_dict(), strict=False, assign=True)
         model.to(device)
-    stage_module = Stage(model, is_first=rank == 0, is_last=rank == world_size - 1)
+    stage_modules = [Stage(model, parts[s], is_first=s == 0, is_last=s == num_stages - 1) for s in stage_indices]
     if args.activation_checkpointing:  # each block's input alone is kept; backward recomputes the rest from it
         for block in model.blocks.values():
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     if args.compile:  # in place: the state dict keeps its keys, and checkpoints stay interchangeable with eager runs
-        stage_module.compile()
+        for stage_module in stage_modules:
+            stage_module.compile()
     optimizer, scheduler = configure_optimizer(model, args, device)
     every_stage_names = [None] * world_size
     dist.all_gather_object(every_stage_names, param_names(model, optimizer))
-    # The whole model's parameters, group by group, stage after stage: as an unsplit model's optimizer holds them.
+    # The whole model's parameters, group by group, in the model's order: as an unsplit model's optimizer holds them.
     order = [[name for names in every_stage_names for name in names[i]] for i in range(len(optimizer.param_groups))]
+    order = [sorted(names, key=position.get) for names in order]  # interleaved, rank 0 holds stages 0 and N, ...
     num_val = len(val_set)
     val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))  # the same for any world size
     log.info(f"device {device} | {num_params:,} parameters | {len(train_set)} train "
              f"samples | {len(val_set)} of {num_val} validation samples per evaluation")
     log.info(f"global batch {args.batch_size} = {args.grad_accum} micro-batches of {args.batch_size // args.grad_accum} | "
-             f"{world_size} stages, one per process | schedule {args.schedule}")
+             f"{num_stages} stages, {args.stages_per_process} per process | schedule {args.schedule}")
     for stage_index, part in enumerate(parts):
-        log.info(f"stage {stage_index} (rank {stage_index}): {', '.join(part)}")
-    idle, slots = world_size - 1, args.grad_accum + world_size - 1
-    log.info(f"each stage idles (stages - 1) / (micro-batches + stages - 1) = {idle}/{slots} = {idle / slots:.0%} of a step "
-             f"(the bubble): more micro-batches shrink it")
+        log.info(f"stage {stage_index} (rank {stage_index % world_size}): {', '.join(part)}")
+    idle, busy = world_size - 1, args.stages_per_process * args.grad_accum  # in the time of one stage's micro-batch
+    log.info(f"each process idles (processes - 1) / (stages per process x micro-batches) = {idle}/{busy} = {idle / busy:.0%} "
+             f"of its compute time (the bubble): more micro-batches or stages per process shrink it")
 
     step = 0
     ckpt_path = args.ckpt_dir and os.path.join(args.ckpt_dir, "checkpoint")  # a link to a directory of tensors
@@ -907,10 +950,15 @@ def main(args):
         if args.max_steps - step < 9:
             fail(f"--profile traces steps {step + 7} to {step + 9}, but --max-steps {args.max_steps} stops before")
         trace_path = os.path.join(args.log_dir, f"trace_rank{rank}.json")
+        # Memory too: every allocation and free, each op's input shapes and the Python lines that called it.
         profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1),
-                                          on_trace_ready=lambda prof: prof.export_chrome_trace(trace_path))
+                                          on_trace_ready=lambda prof: write_profile(prof, trace_path, args),
+                                          profile_memory=True, record_shapes=True, with_stack=True)
         log.info(f"tracing steps {step + 7} to {step + 9} into {trace_path}, one file per process: open it at "
                  f"https://ui.perfetto.dev or in chrome://tracing")
+        if device.type == "cuda":  # the allocator's history from here on, for a snapshot at the trace's end or out of memory
+            args.memory_snapshot = os.path.join(args.log_dir, f"memory_rank{rank}.pickle")
+            torch.cuda.memory._record_memory_history(max_entries=100_000)  # private, as its docs say, from 2.1 to 2.13
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     batches = None
@@ -919,13 +967,23 @@ def main(args):
     # backwards; 1F1B one backward after each forward once the pipeline is full, to hold fewer micro-batches'
     # activations. The shapes are split_model's examples: every pass must have them (see evaluate).
     # The arguments after device by keyword: their order differs between torch versions.
-    stage, eval_stage = [PipelineStage(stage_module, rank, world_size, device, input_args=stage_inputs,
-                                       output_args=stage_outputs) for _ in range(2)]
-    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
-    schedule = schedule_class(stage, n_microbatches=args.grad_accum, loss_fn=loss_fn)
-    # Evaluation has a stage and a schedule of its own, forward only (no loss_fn): on torch 2.10 and 2.11 a stage's
+    stages, eval_stages = [[PipelineStage(module, s, num_stages, device, input_args=inputs, output_args=outputs)
+                            for module, s, (inputs, outputs) in zip(stage_modules, stage_indices, examples)]
+                           for _ in range(2)]
+    if args.stages_per_process == 1 and args.schedule != "zero-bubble":  # one stage per process
+        schedule_class, eval_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule], ScheduleGPipe
+        stages, eval_stages = stages[0], eval_stages[0]
+    else:  # several: GPipe looped over them (breadth first), interleaved 1F1B; zero-bubble takes any number
+        schedule_class = {"gpipe": ScheduleLoopedBFS, "1f1b": ScheduleInterleaved1F1B,
+                          "zero-bubble": ScheduleInterleavedZeroBubble}[args.schedule]
+        eval_class = ScheduleLoopedBFS
+    try:
+        schedule = schedule_class(stages, n_microbatches=args.grad_accum, loss_fn=loss_fn)
+    except ValueError as error:  # a layout the schedule cannot order: torch says why
+        fail(f"--schedule {args.schedule} cannot run {args.grad_accum} micro-batches on {num_stages} stages: {error}")
+    # Evaluation has stages and a schedule of their own, forward only (no loss_fn): on torch 2.10 and 2.11 a stage's
     # first pass decides for good whether the activations it receives take gradients, and step 0 evaluates first.
-    eval_schedule = ScheduleGPipe(eval_stage, n_microbatches=args.grad_accum)
+    eval_schedule = eval_class(eval_stages, n_microbatches=args.grad_accum)
     writing = None  # the checkpoint being written in the background, if any
     received = catch_stop_signals()  # a stop signal from here on saves a checkpoint first
     # stop_requested's group, on the CPU: beside NCCL's on GPUs. Its timeout is not the default group's unless given.

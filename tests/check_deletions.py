@@ -1,8 +1,9 @@
 """Delete, one at a time, each line that a script exists to teach, run the tests that should notice, and
 print which deletions they catch. STYLE.md asks for this after any change to a script's strategy lines or
 to the tests: a line is guarded only if deleting it fails a test. Not a test itself (pytest does not
-collect it): it runs parts of the suite once per row below (73), 37 minutes on two cores (71 rows: 63 caught, 8
-that no test on a CPU can catch, each with its reason; then the 5 rows issue 32 rewrote or added: 5 caught).
+collect it): it runs parts of the suite once per row below (81), 37 minutes on two cores (71 rows: 63 caught, 8
+that no test on a CPU can catch, each with its reason; then the 5 rows issue 32 rewrote or added: 5 caught; of
+issue 33's 3, the 2 a CPU can catch: caught; issue 34's 5: caught, 2026-11-26).
 
     python tests/check_deletions.py [SUBSTRING]   # only the deletions whose line contains SUBSTRING
 
@@ -158,6 +159,15 @@ DELETIONS = [
      "output_dtype=torch.float32))"),
      f"{FSDP}::test_bf16_trains_close_to_fp32"),
     ("pipeline.py", "stage_module.compile()", None, f"{PIPELINE}::test_compiled_stages_train_like_eager"),
+    # Issue 34: hybrid sharding, interleaved stages, memory in --profile, where every rank runs.
+    ("fsdp.py", 'init_device_mesh(device.type, (r, n // r), mesh_dim_names=("replicate", "shard"))',
+     "init_device_mesh(device.type, (n,))", f"{FSDP}::test_hybrid_sharding_holds_half_the_state_on_each_of_4_processes"),
+    ("pipeline.py", "self.held = nn.ModuleList(model.get_submodule(name) for name in part)", "self.held = model",
+     f"{PIPELINE}::test_two_stages_per_process_train_like_single_gpu"),
+    ("pipeline.py", "order = [sorted(names, key=position.get) for names in order]", None, f"{PIPELINE}::test_a_checkpoint_moves_between_plain_and_interleaved_layouts"),
+    ("single_gpu.py", "profile_memory=True, record_shapes=True, with_stack=True)", ")",
+     f"{SPEED}::test_profile_writes_a_trace_per_process"),
+    ("ddp_torchrun.py", "    log_placement(device)", None, f"{TRAINING}::test_rank_0_logs_where_every_rank_runs"),
     # The copies: a line deleted from them changes their diff against single_gpu.py or ddp_torchrun.py, whose
     # sizes tests/test_structure.py knows exactly; their behaviour is tested on the scripts above.
     ("ddp_spawn.py", "dist.barrier()", None, "tests/test_structure.py"),

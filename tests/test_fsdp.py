@@ -275,3 +275,48 @@ def test_compiled_blocks_train_like_eager(trained, tmp_path):
     add more at steps 8 and 16."""
     recompiles = trains_compiled_like_eager("fsdp.py", trained["fsdp.py"], tmp_path)
     assert all(1 <= count <= 2 for count in recompiles), recompiles
+
+
+@pytest.fixture(scope="module")
+def hybrid_halfway(tmp_path_factory):
+    """fsdp.py --replicate 2 on 4 processes for HALF steps (2 replicas of 2 shards), each rank noting what it holds."""
+    out = tmp_path_factory.mktemp("hybrid")
+    env = {**injected(out, MEASURE_MEMORY), "MEASURE_DIR": str(out)}
+    result = run("fsdp.py", *TINY, "--replicate", 2, "--max-steps", HALF, "--lr-decay-steps", STEPS, "--ckpt-dir",
+                 out / "ckpt", "--log-dir", out / "tb", nproc=4, env=env)
+    assert result.returncode == 0, result.output
+    return out, [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
+def test_hybrid_sharding_holds_half_the_state_on_each_of_4_processes(hybrid_halfway):
+    """2 replicas of 2 shards: each process holds 1/2 of the weights, gradients and AdamW state, as 2 processes
+    of full sharding do, and the two replicas hold the same rows."""
+    _, held = hybrid_halfway
+    whole = held[0]["whole"]
+    for rank in held:
+        assert rank["gradients"] == rank["weights"] and rank["optimizer"] == 2 * rank["weights"] + 4 * rank["params"]
+        assert whole / 2 - rank["rows"] <= rank["weights"] <= whole / 2 + rank["rows"], rank
+    assert held[0]["weights"] + held[1]["weights"] == whole and held[0:2] == held[2:4], held
+
+
+@pytest.mark.parametrize("before, after", [("hybrid", 2), ("hybrid", 4), (2, "hybrid")])
+def test_checkpoints_move_between_hybrid_and_full_sharding(trained, halfway, hybrid_halfway, tmp_path, before, after):
+    """Saved by 2 replicas of 2 shards and resumed by 2 or 4 processes of full sharding, or the other way: the run
+    ends within PARAM_ATOL of single_gpu.py's weights."""
+    ckpt_dir = tmp_path / "ckpt"
+    if before == "hybrid":
+        shutil.copytree(hybrid_halfway[0] / "ckpt", ckpt_dir, symlinks=True)
+    else:
+        resume_in(halfway["fsdp.py"], ckpt_dir)
+    flags = ["--replicate", 2] if after == "hybrid" else []
+    result = run("fsdp.py", *TINY, *flags, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb",
+                 nproc=4 if after == "hybrid" else after)
+    assert result.returncode == 0, result.output
+    assert f"resumed from {ckpt_dir / 'checkpoint'} at step {HALF}" in result.output
+    difference = max_param_diff(load(ckpt_dir)["model"], load(trained["single_gpu.py"].ckpt_dir)["model"])
+    print(f"{before} then {after}: largest difference from single_gpu.py's weights {difference:.2g}")
+    assert difference <= PARAM_ATOL
+
+
+def test_replicas_that_do_not_divide_the_processes_are_refused():
+    fails_cleanly("fsdp.py", ["--replicate", 3], "--replicate 3 does not divide the 2 processes into groups of equal size")

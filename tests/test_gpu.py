@@ -12,6 +12,7 @@ scripts also train on two NCCL processes and dataparallel.py on every GPU, and e
 
 import json
 import os
+import pickle
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -161,12 +162,12 @@ SMALL_GPU = """
 import torch
 torch.cuda.set_per_process_memory_fraction(2**30 / torch.cuda.get_device_properties(0).total_memory)
 """
-TOO_BIG = ["--d-model", 768, "--n-layers", 12, "--n-heads", 12, "--seq-len", 256, "--batch-size", 32, "--max-steps", 4]
+TOO_BIG = ["--d-model", 768, "--n-layers", 12, "--n-heads", 12, "--seq-len", 256, "--batch-size", 32, "--max-steps", 9]
 OUT_OF_MEMORY = ["single_gpu.py", "dataparallel.py", "ddp_torchrun.py", "fsdp.py", "pipeline.py"]
 
 
 def out_of_memory(script, tmp):
-    return gpu_run(script, *TOO_BIG, "--log-dir", tmp / "tb", env={**ON_THE_GPU, **injected(tmp, SMALL_GPU)},
+    return gpu_run(script, *TOO_BIG, "--profile", "--log-dir", tmp / "tb", env={**ON_THE_GPU, **injected(tmp, SMALL_GPU)},
                    timeout=120)
 
 
@@ -281,6 +282,10 @@ def test_profile_traces_the_gpus_kernels(runs, script):
     kernels = [e for e in events if e.get("cat") == "kernel"]
     print(f"\n{script} --profile: {len(kernels)} CUDA kernels in steps 7 to 9")
     assert len(kernels) > 100, sorted({str(e.get("cat")) for e in events})
+    # The allocator's snapshot, as pytorch.org/memory_viz reads it: its blocks, and their history with stacks.
+    snapshot = pickle.loads((tmp / "tb" / "memory_rank0.pickle").read_bytes())
+    print(f"{len(snapshot['segments'])} segments, {len(snapshot['device_traces'][0])} allocator events")
+    assert snapshot["segments"] and len(snapshot["device_traces"][0]) > 100, snapshot.keys()
 
 
 @pytest.mark.parametrize("script", [config.split()[0] for config in MOVED])
@@ -298,8 +303,9 @@ def test_stop_signal_saves_the_stop_step(runs, script):
 
 @pytest.mark.parametrize("script", OUT_OF_MEMORY)
 def test_out_of_memory_ends_in_one_line(runs, script):
-    """A run that does not fit ends in seconds (the run's timeout: 120 s), with the line that says what to change."""
-    future, _ = runs["oom", script]
+    """A run that does not fit ends in seconds (the run's timeout: 120 s), with the line that says what to change;
+    run with --profile, it names the allocator's snapshot it wrote."""
+    future, tmp = runs["oom", script]
     result = future.result()
     assert result.returncode != 0, result.output
     lines = [line for line in result.output.splitlines() if line.startswith(f"{script}: error: out of memory in ")]
@@ -307,6 +313,9 @@ def test_out_of_memory_ends_in_one_line(runs, script):
     print(f"\n{lines[0]}")
     assert re.search(r"on micro-batches of \d+ samples per process \(tried to allocate [\d.]+ \w+\): a peak of "
                      r"[\d., ]+ GiB allocated, [\d., ]+ GiB reserved, of [\d.]+ GiB on cuda", lines[0]), lines[0]
+    snapshot = tmp / "tb" / "memory_rank0.pickle"
+    assert f"; {snapshot} shows what held it (open it at https://pytorch.org/memory_viz)" in lines[0], lines[0]
+    assert pickle.loads(snapshot.read_bytes())["segments"], snapshot
     assert f'{script}", line' not in result.output, result.output  # no traceback
 
 

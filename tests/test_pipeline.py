@@ -39,7 +39,7 @@ def same_optimizer_state(got, expected):
             assert torch.allclose(got["state"][number][key], state[key], rtol=1e-4, atol=1e-6), (number, key)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
 def test_each_schedule_trains_like_single_gpu(trained, schedule, tmp_path):
     """Two stages, 2 micro-batches a step (TINY's --grad-accum 2). The stages send activations and gradients
     unchanged; only the whole-model norm for clipping adds in another order. Seen: 3.0e-7 for both."""
@@ -47,10 +47,10 @@ def test_each_schedule_trains_like_single_gpu(trained, schedule, tmp_path):
                  "--log-dir", tmp_path / "tb")
     assert result.returncode == 0, result.output
     assert not WARNING.search(result.output), result.output
-    assert f"global batch 8 = 2 micro-batches of 4 | 2 stages, one per process | schedule {schedule}" in result.output
+    assert f"global batch 8 = 2 micro-batches of 4 | 2 stages, 1 per process | schedule {schedule}" in result.output
     assert "stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n" in result.output, result.output
     assert "stage 1 (rank 1): blocks.1, norm, head\n" in result.output, result.output
-    assert "= 1/3 = 33% of a step (the bubble)" in result.output, result.output
+    assert "= 1/2 = 50% of its compute time (the bubble)" in result.output, result.output
     weights, losses = same_as_single_gpu(trained, tmp_path / "ckpt", tmp_path / "tb")
     print(f"{schedule}: largest weight difference {weights:.2g}, largest logged-loss difference {losses:.2g}")
     assert weights <= PARAM_ATOL and losses <= LOSS_ATOL
@@ -71,7 +71,7 @@ def test_a_checkpoint_resumes_on_another_number_of_stages(before, after, tmp_pat
         outputs.append(result.output)
     four = outputs[0] if before == 4 else outputs[1]
     for line in ["stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n", "stage 1 (rank 1): blocks.1\n",
-                 "stage 2 (rank 2): blocks.2\n", "stage 3 (rank 3): blocks.3, norm, head\n", "= 3/7 = 43% of a step"]:
+                 "stage 2 (rank 2): blocks.2\n", "stage 3 (rank 3): blocks.3, norm, head\n", "= 3/4 = 75% of its compute time"]:
         assert line in four, four
     assert f"resumed from {tmp_path / 'split' / 'checkpoint'} at step 4" in outputs[1], outputs[1]
     one = run_command([sys.executable, ROOT / "pipeline.py"] + [str(a) for a in flags] +
@@ -207,26 +207,29 @@ def test_killed_stage_restarts_and_resumes_exactly(tmp_path):
     assert all(torch.equal(got["model"][name], expected["model"][name]) for name in expected["model"])
 
 
-def test_more_stages_than_blocks_is_refused():
-    result = run("pipeline.py", *TINY, "--max-steps", 1, "--grad-accum", 4, nproc=3)
+@pytest.mark.parametrize("nproc, per_process", [(3, 1), (2, 2)])
+def test_more_stages_than_blocks_is_refused(nproc, per_process):
+    result = run("pipeline.py", *TINY, "--max-steps", 1, "--grad-accum", 4, "--stages-per-process", per_process,
+                 nproc=nproc)
     assert result.returncode != 0, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("pipeline.py: error: ")]
-    assert any("3 processes make 3 pipeline stages, but the model has 2 blocks: run at most 2 processes" in line
+    assert any(f"{nproc * per_process} pipeline stages (processes x --stages-per-process), but the model has 2 blocks: "
+               "make at most 2" in line
                for line in errors), result.output
     assert 'pipeline.py", line' not in result.output, result.output
 
 
 def test_1f1b_needs_a_micro_batch_per_stage():
     fails_cleanly("pipeline.py", ["--grad-accum", 1, "--batch-size", 8],
-                  "--schedule 1f1b needs at least as many micro-batches as stages: --grad-accum 1 is fewer than 2 processes")
+                  "--schedule 1f1b needs at least as many micro-batches as processes: --grad-accum 1 is fewer than 2")
 
 
 def test_gpipe_runs_one_micro_batch(tmp_path):
-    """GPipe has no such limit: one micro-batch a step, the stages taking turns (a bubble of 50%)."""
+    """GPipe has no such limit: one micro-batch a step, the stages taking turns (a bubble as long as its compute)."""
     result = run("pipeline.py", *TINY, "--max-steps", 4, "--grad-accum", 1, "--schedule", "gpipe",
                  "--log-dir", tmp_path)
     assert result.returncode == 0, result.output
-    assert "= 1/2 = 50% of a step (the bubble)" in result.output, result.output
+    assert "= 1/1 = 100% of its compute time (the bubble)" in result.output, result.output
     assert re.search(r"step +4 \| loss \d", result.output), result.output
 
 
@@ -237,3 +240,68 @@ def test_compiled_stages_train_like_eager(trained, tmp_path):
     add more at steps 8 and 16."""
     recompiles = trains_compiled_like_eager("pipeline.py", trained["pipeline.py"], tmp_path)
     assert all(1 <= count <= 2 for count in recompiles), recompiles
+
+
+# Four blocks, so that 2 processes hold 2 stages each: stage s on process s mod 2.
+FOUR_BLOCKS = [*TINY, "--n-layers", 4, "--lr-decay-steps", STEPS]
+
+
+@pytest.fixture(scope="module")
+def four_blocks(tmp_path_factory):
+    """single_gpu.py's run of FOUR_BLOCKS, for STEPS steps: the weights the interleaved runs must end on."""
+    out = tmp_path_factory.mktemp("four_blocks")
+    result = run("single_gpu.py", *FOUR_BLOCKS, "--max-steps", STEPS, "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb")
+    assert result.returncode == 0, result.output
+    return load(out / "ckpt")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble"])
+def test_two_stages_per_process_train_like_single_gpu(four_blocks, schedule, tmp_path):
+    """Looped GPipe and interleaved zero-bubble, on stages 0 and 2 on rank 0, 1 and 3 on rank 1: single_gpu.py's
+    weights (seen: 5.3e-7 for both), the layout in the log, and the bubble a quarter of the compute (1 idle slot
+    for 2 stages x 2 micro-batches)."""
+    result = run("pipeline.py", *FOUR_BLOCKS, "--stages-per-process", 2, "--schedule", schedule, "--max-steps", STEPS,
+                 "--ckpt-dir", tmp_path / "ckpt", "--log-dir", tmp_path / "tb")
+    assert result.returncode == 0, result.output
+    assert not WARNING.search(result.output), result.output
+    for line in ["| 4 stages, 2 per process |", "stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n", "stage 1 (rank 1): blocks.1\n",
+                 "stage 2 (rank 0): blocks.2\n", "stage 3 (rank 1): blocks.3, norm, head\n", "= 1/4 = 25% of its compute time"]:
+        assert line in result.output, result.output
+    difference = max_param_diff(load(tmp_path / "ckpt")["model"], four_blocks["model"])
+    print(f"{schedule}, 2 stages per process: largest difference from single_gpu.py's weights {difference:.2g}")
+    assert difference <= PARAM_ATOL
+
+
+def test_a_checkpoint_moves_between_plain_and_interleaved_layouts(four_blocks, tmp_path):
+    """Interleaved 1F1B (2 stages per process) to step 6, one stage per process to step 11, interleaved again to
+    the end: each layout reads the other's checkpoint, and the run ends on single_gpu.py's weights and AdamW state,
+    its parameters in the model's order."""
+    for per_process, steps in [(2, 6), (1, 11), (2, STEPS)]:
+        result = run("pipeline.py", *FOUR_BLOCKS, "--stages-per-process", per_process, "--max-steps", steps,
+                     "--ckpt-dir", tmp_path / "ckpt", "--log-dir", tmp_path / f"tb{steps}")
+        assert result.returncode == 0, result.output
+        assert f"{2 * per_process} stages, {per_process} per process" in result.output, result.output
+    assert f"resumed from {tmp_path / 'ckpt' / 'checkpoint'} at step 11" in result.output, result.output
+    got = load(tmp_path / "ckpt")
+    difference = max_param_diff(got["model"], four_blocks["model"])
+    print(f"interleaved, plain, interleaved: largest difference from single_gpu.py's weights {difference:.2g}")
+    assert difference <= PARAM_ATOL
+    same_optimizer_state(got["optimizer"], four_blocks["optimizer"])  # stage 2's names after stage 1's, as unsplit
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_micro_batches_an_interleaved_schedule_cannot_take_are_refused(schedule):
+    """Torch's interleaved schedules run the micro-batches in rounds of one per process: 5 do not divide into 2."""
+    fails_cleanly("pipeline.py", ["--n-layers", 4, "--stages-per-process", 2, "--schedule", schedule, "--batch-size", 10,
+                                  "--grad-accum", 5],
+                  f"--schedule {schedule} cannot run 5 micro-batches on 4 stages: ")
+
+
+def test_zero_bubble_with_compile_is_refused():
+    fails_cleanly("pipeline.py", ["--schedule", "zero-bubble", "--compile"],
+                  "--schedule zero-bubble runs each backward in two halves, which a compiled graph's backward cannot")
+
+
+def test_stages_per_process_in_a_world_of_one_are_refused():
+    fails_cleanly("pipeline.py", ["--n-layers", 4, "--stages-per-process", 2],
+                  "--stages-per-process 2 shrinks the bubble of several processes: one has none", nproc=1)

@@ -2,6 +2,7 @@
 
 import argparse
 import re
+import socket
 import subprocess
 import sys
 
@@ -69,6 +70,13 @@ def test_validation_is_exact_across_ranks(trained, script):
     # Only the grouping of the fp32 per-batch sums differs (accumulated in fp64).
     assert got["val/loss"][0] == pytest.approx(expected["val/loss"][0], rel=1e-6)
     assert got["val/accuracy"][0] == expected["val/accuracy"][0]
+
+
+@pytest.mark.parametrize("script", DISTRIBUTED)
+def test_rank_0_logs_where_every_rank_runs(trained, script):
+    """One line per host, from rank 0 alone, naming each rank once with its device."""
+    output, host = trained[script].run.output, socket.gethostname()
+    assert [line for line in output.splitlines() if line.startswith(f"{host}: ")] == [f"{host}: rank 0 on cpu, rank 1 on cpu"]
 
 
 # Every sample the training set hands out, one line each in the file $FETCHES, from every process (loader workers

@@ -238,6 +238,7 @@ def test_two_machines_train_like_torchrun_on_one(namespaces, trained, tmp_path):
     nodes = run_nodes(*on_two_machines(*namespaces, "ddp_torchrun.py", *train_flags(tmp_path)), tmp_path)
     assert (Path("/etc/hosts").read_text(), socket.gethostname()) == (etc_hosts, hostname), "a node leaked its own"
     assert_trained_like_torchrun(nodes, tmp_path, trained, "two nodes in network namespaces")
+    assert "\nnode1: rank 0 on cpu\nnode2: rank 1 on cpu\n" in nodes[0].output, nodes[0].output  # rank 0's lines, a host each
 
 
 def test_check_on_two_machines(namespaces, tmp_path):
