@@ -488,6 +488,7 @@ def write_profile(profiler, trace_path, args):
     profiler.export_chrome_trace(trace_path)
     if args.memory_snapshot:
         torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)  # the steps after the trace run at full speed
         log.info(f"wrote {trace_path} and {args.memory_snapshot}")
 
 
@@ -702,7 +703,7 @@ def main(args):
                  f"https://ui.perfetto.dev or in chrome://tracing")
         if device.type == "cuda":  # the allocator's history from here on, for a snapshot at the trace's end or out of memory
             args.memory_snapshot = os.path.join(args.log_dir, f"memory_rank{rank}.pickle")
-            torch.cuda.memory._record_memory_history(max_entries=100_000)  # private, as its docs say, from 2.1 to 2.13
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)  # private, 2.1 to 2.13
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     micro_batches = None

@@ -1,4 +1,4 @@
-"""Train a small GPT with pipeline parallelism: its blocks split into stages, one per process, started by torchrun.
+"""Train a small GPT with pipeline parallelism: its blocks split into stages, one or more on each torchrun process.
 
     torchrun --standalone --nproc_per_node=2 pipeline.py      # two stages; plain `python` runs one stage
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=JOB pipeline.py \
@@ -659,6 +659,7 @@ def write_profile(profiler, trace_path, args):
     profiler.export_chrome_trace(trace_path)
     if args.memory_snapshot:
         torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)  # the steps after the trace run at full speed
         log.info(f"wrote {trace_path} and {args.memory_snapshot}")
 
 
@@ -679,7 +680,8 @@ def out_of_memory(error, where, micro_batch, args, device):
                   f"micro-batches of {micro_batch // factor}")
     else:
         advice = "one sample is the smallest micro-batch: the model must take less memory"
-    if args.schedule == "gpipe" and where.startswith("step") and args.grad_accum > dist.get_world_size():
+    gpipe = args.schedule == "gpipe" and args.stages_per_process == 1  # looped, interleaved 1F1B may hold more
+    if gpipe and where.startswith("step") and args.grad_accum > dist.get_world_size():
         # GPipe keeps every micro-batch's activations until the backward; 1F1B, at most as many as there are stages.
         advice = "--schedule 1f1b, which holds the activations of fewer micro-batches at once"
     if args.memory_snapshot:  # --profile on a GPU: what held the memory, and which lines allocated it, up to here
@@ -866,7 +868,8 @@ def main(args):
     is_main_process = rank == 0  # console, TensorBoard and checkpoints: rank 0 alone writes
     logging.basicConfig(format="%(message)s", level=logging.INFO if is_main_process else logging.WARNING, stream=sys.stdout)
     log_placement(device)
-    if args.schedule != "gpipe" and args.grad_accum < world_size:  # checked here: the world size comes from the group
+    # Checked here, where the world size is known. The interleaved schedules run rounds of micro-batches: torch checks.
+    if args.schedule == "1f1b" and args.stages_per_process == 1 and args.grad_accum < world_size:
         fail(f"--schedule {args.schedule} needs at least as many micro-batches as processes: --grad-accum "
              f"{args.grad_accum} is fewer than {world_size}")
     if args.stages_per_process > 1 and world_size == 1:
@@ -918,7 +921,7 @@ def main(args):
         log.info(f"stage {stage_index} (rank {stage_index % world_size}): {', '.join(part)}")
     idle, busy = world_size - 1, args.stages_per_process * args.grad_accum  # in the time of one stage's micro-batch
     log.info(f"each process idles (processes - 1) / (stages per process x micro-batches) = {idle}/{busy} = {idle / busy:.0%} "
-             f"of its compute time (the bubble): more micro-batches or stages per process shrink it")
+             f"of its compute time (the bubble): more micro-batches or stages per process shrink it, zero-bubble fills some")
 
     step = 0
     ckpt_path = args.ckpt_dir and os.path.join(args.ckpt_dir, "checkpoint")  # a link to a directory of tensors
@@ -958,7 +961,7 @@ def main(args):
                  f"https://ui.perfetto.dev or in chrome://tracing")
         if device.type == "cuda":  # the allocator's history from here on, for a snapshot at the trace's end or out of memory
             args.memory_snapshot = os.path.join(args.log_dir, f"memory_rank{rank}.pickle")
-            torch.cuda.memory._record_memory_history(max_entries=100_000)  # private, as its docs say, from 2.1 to 2.13
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)  # private, 2.1 to 2.13
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     batches = None

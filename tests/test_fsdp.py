@@ -30,7 +30,8 @@ def measure(optimizer, args, kwargs):
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     held = {"weights": sum(local(p).nbytes for p in params), "gradients": sum(local(p.grad).nbytes for p in params),
             "optimizer": sum(local(t).nbytes for t in state), "whole": sum(p.nbytes for p in params),
-            "rows": sum(p.nbytes // p.shape[0] for p in params), "params": len(params)}
+            "rows": sum(p.nbytes // p.shape[0] for p in params), "params": len(params),
+            "sums": [local(p).double().sum().item() for p in params]}  # which rows: the same in a replica of them
     with open(os.path.join(os.environ["MEASURE_DIR"], f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
         json.dump(held, f)
 
@@ -296,7 +297,9 @@ def test_hybrid_sharding_holds_half_the_state_on_each_of_4_processes(hybrid_half
     for rank in held:
         assert rank["gradients"] == rank["weights"] and rank["optimizer"] == 2 * rank["weights"] + 4 * rank["params"]
         assert whole / 2 - rank["rows"] <= rank["weights"] <= whole / 2 + rank["rows"], rank
+    # Ranks 0 and 1 shard a replica, as ranks 2 and 3 do (a node each, under torchrun): rank 2 holds rank 0's rows.
     assert held[0]["weights"] + held[1]["weights"] == whole and held[0:2] == held[2:4], held
+    assert held[0]["sums"] != held[1]["sums"], held
 
 
 @pytest.mark.parametrize("before, after", [("hybrid", 2), ("hybrid", 4), (2, "hybrid")])
