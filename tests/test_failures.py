@@ -136,7 +136,8 @@ def test_out_of_memory_figures_and_advice(monkeypatch):
     lines = {}
     for script, micro_batch, schedule in [("ddp_torchrun.py", 9, None), ("fsdp.py", 1, None), ("pipeline.py", 8, "gpipe"),
                                           ("pipeline.py", 8, "1f1b"), ("dataparallel.py", 9, None)]:
-        args = type("Args", (), {"grad_accum": 4, "batch_size": 4 * micro_batch, "schedule": schedule})
+        args = type("Args", (), {"grad_accum": 4, "batch_size": 4 * micro_batch, "schedule": schedule,
+                                 "stages_per_process": 1, "memory_snapshot": None})
         with pytest.raises(SystemExit) as exit:
             import_script(script).out_of_memory(error, "step 5", micro_batch, args, torch.device("cuda", 0))
         lines[script, schedule] = str(exit.value)

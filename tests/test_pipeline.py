@@ -186,7 +186,7 @@ def test_a_model_it_cannot_split_is_refused(tie, message):
                                   {"vocab_size": 16})
     tie(model)
     with pytest.raises(SystemExit, match=re.escape(message)):
-        module.split_model(model, 0, 2, torch.zeros(1, 4, dtype=torch.long))
+        module.split_model(model, [0], 2, torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_killed_stage_restarts_and_resumes_exactly(tmp_path):

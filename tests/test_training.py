@@ -267,7 +267,7 @@ def test_resumed_optimizer_runs_this_devices_kernel(script, saved_fused, tmp_pat
         torch.manual_seed(0)
         model, config = module.build_model(flags, {"vocab_size": 16})
         if sharded:
-            fsdp_flags = argparse.Namespace(precision="fp32", compile=False, activation_checkpointing=False)
+            fsdp_flags = argparse.Namespace(precision="fp32", compile=False, activation_checkpointing=False, replicate=1)
             module.shard_model(model, fsdp_flags, torch.device("cpu"))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
         return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), config
