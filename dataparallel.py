@@ -21,6 +21,7 @@ import math
 import os
 import re
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -30,8 +31,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-if torch.__version__ < "2.4":  # compared as versions; checked before the imports below, which an older torch may lack
-    sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.4 or newer, found {torch.__version__}")
+MIN_TORCH = "2.4"  # the oldest release this script has run on
+if torch.__version__ < MIN_TORCH:  # compared as versions; checked before the imports below, which an older torch may lack
+    sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch {MIN_TORCH} or newer, found {torch.__version__}")
 
 import torch.nn.functional as F
 from torch import nn
@@ -49,7 +51,13 @@ STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasa
 
 
 def fail(message):
-    """Exit with a one-line error and no traceback: bad input is for the user to fix."""
+    """Exit with a one-line error and no traceback: bad input is for the user to fix. Such a failure would recur, so
+    under torchrun with restarts left it also stops torchrun, which then ends the job instead of restarting it."""
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))  # torchrun sets both in each process it starts
+    restarts_left -= int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts_left > 0 and os.getppid() != 1:  # torchrun is this process's parent, unless it has died
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun passes its stop on to every process: this one ends anyway
+        os.kill(os.getppid(), signal.SIGTERM)  # torchrun restarts failed processes, but a signal to it ends the job
     sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
@@ -58,6 +66,11 @@ def causes(error):
     while error is not None:
         yield error
         error = error.__cause__ or error.__context__
+
+
+def one_line(error):
+    """The first line of what went wrong."""
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
 
 
 def parse_args():
@@ -98,12 +111,10 @@ def parse_args():
             continue
         if not math.isfinite(value) or value < 0 or (value == 0 and name not in zero_or_more):
             fail(f"--{name.replace('_', '-')} must be {'zero or more' if name in zero_or_more else 'positive'}, got {value}")
-    if args.batch_size % args.grad_accum:
-        fail(f"--batch-size {args.batch_size} is not divisible by --grad-accum {args.grad_accum}")
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda, but no CUDA device is available")
     if args.compile and args.device != "cpu" and torch.cuda.device_count() > 1:  # replicas share the compiled original
-        fail("--compile does not work with nn.DataParallel on several GPUs: use ddp_torchrun.py, or one GPU")
+        fail("--compile does not work with nn.DataParallel on several GPUs: use DistributedDataParallel (a process per GPU), or one GPU")
     for flag, path in [("--log-dir", args.log_dir), ("--ckpt-dir", args.ckpt_dir)]:
         if path:  # checked now, not at the first checkpoint: the training until then would be lost
             try:
@@ -112,7 +123,7 @@ def parse_args():
             except OSError as e:
                 fail(f"{flag} {path} is not a directory this process can write to: {e.strerror}")
     args.lr_decay_steps = args.lr_decay_steps or args.max_steps
-    args.memory_snapshot = None  # main() names one where --profile records a GPU's allocations
+    args.memory_snapshot = None  # start_profiler() names one where --profile records a GPU's allocations
     return args
 
 
@@ -323,10 +334,20 @@ def setup(args):
     """Prepare this process to train: pick its device and seed the model's initialisation."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # fp32 matmuls on TF32 tensor cores, on GPUs from Ampere on: 495 instead of 67 TFLOP/s on an H100 (its datasheet),
-    # for a 10-bit mantissa that training does not notice (nanoGPT does the same). Nothing changes on a CPU.
+    # for a 10-bit mantissa that training does not notice. Nothing changes on a CPU.
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(args.seed)
     return device
+
+
+def log_placement(device):
+    """Log one line per host: its ranks and their devices. A GPU is named by the start of its UUID too, which
+    `nvidia-smi -L` prints: CUDA_VISIBLE_DEVICES renumbers the GPUs, it does not."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None) if device.type == "cuda" else None  # not in 2.4
+    gpu = f" (GPU-{str(uuid)[:8]})" if uuid else ""
+    placements = [(socket.gethostname(), f"rank 0 on {device}{gpu}")]  # this process's, the only one
+    for host in dict.fromkeys(host for host, _ in placements):  # hosts in the order of their first rank
+        log.info(f"{host}: {', '.join(where for on, where in placements if on == host)}")
 
 
 class SkippingSampler(Sampler):
@@ -365,9 +386,9 @@ def peak_flops(device, precision):
 @torch.no_grad()
 def init_weights(model, seed):
     """Give every parameter and buffer its initial values, one whole tensor at a time on the CPU, drawn by the model's
-    init_tensor() from a generator seeded by `seed` and the tensor's name: a tensor starts with the same values in
-    every script, whichever process holds it, whole or in shards. A model without init_tensor() keeps the values its
-    constructor gave it."""
+    init_tensor() from a generator seeded by `seed` and the tensor's name: a tensor starts with the same values
+    however the model is split across processes, whole or in shards. A model without init_tensor() keeps the values
+    its constructor gave it."""
     if not hasattr(model, "init_tensor"):
         return
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
@@ -387,6 +408,12 @@ def measure_flops(args, data_info, sample):
     with FlopCounterMode(display=False) as counter:
         loss_fn(model(inputs), targets).backward()
     return counter.get_total_flops()
+
+
+def write_scalars(writer, scalars, step):
+    """Add each of `scalars`, {tag: number}, to TensorBoard at `step`."""
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, step)
 
 
 def peak_memory(device):
@@ -410,7 +437,7 @@ def catch_stop_signals():
     """From here on SIGTERM and SIGUSR1 do not end this process: each is noted in the list returned, and the training
     loop saves a checkpoint at the next step and stops. Schedulers send SIGTERM before they take a machine back (SLURM
     at the time limit or on preemption, Kubernetes, spot instances), torchrun passes it on to its workers, and SLURM
-    sends SIGUSR1 ahead of the time limit when asked to (launch_distributed.sh asks)."""
+    sends SIGUSR1 ahead of the time limit when asked to (#SBATCH --signal=B:USR1@120 asks)."""
     received = []
     for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, lambda signum, frame: received.append(signum))
@@ -429,7 +456,7 @@ def stop_requested(received):
     return received[0] if received else 0
 
 
-def stopped(signum, step, ckpt_path):
+def exit_stopped(signum, step, ckpt_path):
     """End a run that a stop signal ended, saying where it resumes. Exit status 75 (EX_TEMPFAIL in sysexits.h): not
     a failure, a job to run again."""
     log.info(f"step {step:>5} | stopped by {signal.Signals(signum).name}: " +
@@ -476,10 +503,30 @@ def train_step(model, optimizer, scheduler, micro_batches, args, device):
     return total_loss
 
 
-def diverged(step, what):
+def exit_diverged(step, what):
     """Stop a run whose numbers have blown up, before it can write them over the last good checkpoint."""
     fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr, or clipping "
          f"with a lower --grad-clip")
+
+
+def start_profiler(args, step, rank, device):
+    """With --profile, a profiler that traces three steps once the first have compiled, allocated and filled caches;
+    else a context that does nothing."""
+    if not args.profile:
+        return contextlib.nullcontext()
+    if args.max_steps - step < 9:
+        fail(f"--profile traces steps {step + 7} to {step + 9}, but --max-steps {args.max_steps} stops before")
+    trace_path = os.path.join(args.log_dir, f"trace_rank{rank}.json")
+    # Memory too: every allocation and free, each op's input shapes and the Python lines that called it.
+    profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1),
+                                      on_trace_ready=lambda prof: write_profile(prof, trace_path, args),
+                                      profile_memory=True, record_shapes=True, with_stack=True)
+    log.info(f"tracing steps {step + 7} to {step + 9} into {trace_path}, one file per process: open it at "
+             f"https://ui.perfetto.dev or in chrome://tracing")
+    if device.type == "cuda":  # the allocator's history from here on, for a snapshot at the trace's end or out of memory
+        args.memory_snapshot = os.path.join(args.log_dir, f"memory_rank{rank}.pickle")
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)  # private, 2.1 to 2.13
+    return profiler
 
 
 def write_profile(profiler, trace_path, args):
@@ -492,9 +539,11 @@ def write_profile(profiler, trace_path, args):
         log.info(f"wrote {trace_path} and {args.memory_snapshot}")
 
 
-def out_of_memory(error, where, micro_batch, args, device):
-    """Stop a run that ran out of memory, saying what to change. Nothing changes by itself: a smaller batch would
-    train differently, without a word to the user."""
+def exit_if_out_of_memory(error, where, micro_batch, args, device):
+    """Exit if running out of memory caused `error`, saying what to change. Nothing changes by itself: a smaller
+    batch would train differently, without a word to the user."""
+    if not any(isinstance(e, torch.cuda.OutOfMemoryError) for e in causes(error)):  # torch may wrap it
+        return
     devices = used_devices(device)  # every GPU's figures: the replicas on any of them may have run out
     peak = f"{', '.join(f'{(peak_memory(d) or math.nan) / 2**30:.2f}' for d in devices)} GiB"  # nan on Windows
     if device.type == "cuda":  # reserved: what the allocator holds, in use or cached; the failed request is not in either
@@ -624,7 +673,7 @@ def load_checkpoint(path, model, optimizer, scheduler, config, device):
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001  torch.load of a bad file raises anything from EOFError to KeyError
-        fail(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}")
+        fail(f"cannot read checkpoint {path}: {one_line(e)}")
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
         fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
@@ -646,6 +695,9 @@ def main(args):
     device = setup(args)
     rank, world_size = 0, 1  # this process's number, and how many processes train together: here one
     logging.basicConfig(format="%(message)s", level=logging.INFO, stream=sys.stdout)
+    log_placement(device)
+    if args.batch_size % (world_size * args.grad_accum):  # here, where the world size is known
+        fail(f"--batch-size {args.batch_size} is not divisible by world size {world_size} x --grad-accum {args.grad_accum}")
     train_set, val_set, data_info = build_datasets(args)
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size
     if steps_per_epoch == 0:
@@ -653,6 +705,10 @@ def main(args):
     if len(val_set) == 0:
         fail("the validation set is empty: the data section must hold some samples out")
     model, config = build_model(args, data_info)
+    unit, units_per_sample, flops_per_unit = throughput_unit(model, args)
+    if flops_per_unit is None:  # the model section does not count them: torch does, once
+        flops_per_unit = measure_flops(args, data_info, train_set[0]) / units_per_sample
+        log.info(f"torch's FlopCounterMode counts {flops_per_unit:,.0f} training FLOPs for each of the {unit}")
     init_weights(model, args.seed)
     model.to(device)
     if args.compile:  # in place: the state dict keeps its keys, and checkpoints stay interchangeable with eager runs
@@ -683,27 +739,10 @@ def main(args):
                                pin_memory=pin_memory, worker_init_fn=ignore_stop_signals)
     val_loader = make_loader(val_set, per_process_batch_size, args, pin_memory=pin_memory,
                              worker_init_fn=ignore_stop_signals)
-    unit, units_per_sample, flops_per_unit = throughput_unit(model, args)
-    if flops_per_unit is None:  # the model section does not count them: torch does, once
-        flops_per_unit = measure_flops(args, data_info, train_set[0]) / units_per_sample
-        log.info(f"torch's FlopCounterMode counts {flops_per_unit:,.0f} training FLOPs for each of the {unit}")
     peak = peak_flops(device, "tf32")
     if peak:
         peak *= torch.cuda.device_count()  # this one process drives every GPU
-    profiler = contextlib.nullcontext()
-    if args.profile:  # the first steps compile, allocate and fill caches: trace three after them
-        if args.max_steps - step < 9:
-            fail(f"--profile traces steps {step + 7} to {step + 9}, but --max-steps {args.max_steps} stops before")
-        trace_path = os.path.join(args.log_dir, f"trace_rank{rank}.json")
-        # Memory too: every allocation and free, each op's input shapes and the Python lines that called it.
-        profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1),
-                                          on_trace_ready=lambda prof: write_profile(prof, trace_path, args),
-                                          profile_memory=True, record_shapes=True, with_stack=True)
-        log.info(f"tracing steps {step + 7} to {step + 9} into {trace_path}, one file per process: open it at "
-                 f"https://ui.perfetto.dev or in chrome://tracing")
-        if device.type == "cuda":  # the allocator's history from here on, for a snapshot at the trace's end or out of memory
-            args.memory_snapshot = os.path.join(args.log_dir, f"memory_rank{rank}.pickle")
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)  # private, 2.1 to 2.13
+    profiler = start_profiler(args, step, rank, device)
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     micro_batches = None
@@ -714,11 +753,11 @@ def main(args):
             if step % args.eval_every == 0 or step == args.max_steps:
                 try:
                     val_loss, val_accuracy = evaluate(dp_model, val_loader, device)
-                except torch.cuda.OutOfMemoryError as error:  # a GPU's; on a CPU the OS ends a process that runs out
-                    out_of_memory(error, f"evaluation at step {step}", per_process_batch_size, args, device)
+                except RuntimeError as error:  # on a CPU the OS ends a process that runs out of memory: only a GPU's is here
+                    exit_if_out_of_memory(error, f"evaluation at step {step}", per_process_batch_size, args, device)
+                    raise
                 log.info(f"step {step:>5} | val loss {val_loss:.4f} | val accuracy {val_accuracy:.4f}")
-                writer.add_scalar("val/loss", val_loss, step)
-                writer.add_scalar("val/accuracy", val_accuracy, step)
+                write_scalars(writer, {"val/loss": val_loss, "val/accuracy": val_accuracy}, step)
             if step == args.max_steps:
                 break
             if micro_batches is None or step % steps_per_epoch == 0:
@@ -728,8 +767,9 @@ def main(args):
                 micro_batches = iter(train_loader)
             try:
                 loss = train_step(dp_model, optimizer, scheduler, micro_batches, args, device)
-            except torch.cuda.OutOfMemoryError as error:
-                out_of_memory(error, f"step {step + 1}", per_process_batch_size, args, device)
+            except RuntimeError as error:
+                exit_if_out_of_memory(error, f"step {step + 1}", per_process_batch_size, args, device)
+                raise
             step += 1
             if args.profile:
                 profiler.step()
@@ -740,7 +780,7 @@ def main(args):
             if step % args.log_every == 0 or step == args.max_steps:
                 train_loss = loss.item()  # waits for the device to finish: read before the clock
                 if not math.isfinite(train_loss):
-                    diverged(step, f"the loss is {train_loss}")
+                    exit_diverged(step, f"the loss is {train_loss}")
                 now = time.perf_counter()
                 units_per_sec = (step - last_step) * args.batch_size * units_per_sample / (now - last_time)
                 elapsed = datetime.timedelta(seconds=round(now - start_time))  # printed as h:mm:ss
@@ -750,21 +790,23 @@ def main(args):
                            f"train/{unit}_per_sec": units_per_sec, "train/tflops_per_process": flops / 1e12}
                 if peak:
                     metrics["train/mfu"] = flops / peak
+                if device.type == "cuda":  # the most that this process's tensors have taken on its GPU so far
+                    metrics["train/peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 log.info(f"step {step:>5} | loss {train_loss:.4f} | lr {metrics['train/lr']:.2e} | "
                          f"{units_per_sec:,.0f} {unit}/s, {flops / 1e12:.3g} TFLOP/s" +
-                         (f" ({flops / peak:.0%} MFU)" if peak else "") + f" | {elapsed} elapsed, {left} left")
-                for name, value in metrics.items():
-                    writer.add_scalar(name, value, step)
+                         (f" ({flops / peak:.0%} MFU)" if peak else "") + f" | {elapsed} elapsed, {left} left" +
+                         (f" | {metrics['train/peak_memory_gib']:.2f} GiB peak" if device.type == "cuda" else ""))
+                write_scalars(writer, metrics, step)
                 last_step, last_time = step, now
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
                 if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device
-                    diverged(step, "the weights are no longer finite")
+                    exit_diverged(step, "the weights are no longer finite")
                 wait = args.sync_checkpoints or step == args.max_steps or stop > 0  # the last is whole before the end
                 writing = save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, args.keep_checkpoints,
                                           writing, wait)
                 log.info(f"step {step:>5} | " + (f"saving {ckpt_path} in the background" if writing else f"saved {ckpt_path}"))
             if stop:
-                stopped(stop, step, ckpt_path)
+                exit_stopped(stop, step, ckpt_path)
     peaks = [peak_memory(d) for d in used_devices(device)]  # each GPU's: this one process computes on all of them
     if peaks[0] is not None:
         log.info(f"peak memory per {'GPU' if device.type == 'cuda' else 'process'}: {', '.join(f'{peak / 2**30:.2f}' for peak in peaks)} GiB "

@@ -31,11 +31,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-if torch.__version__ < "2.8":  # compared as versions; checked before the imports below, which an older torch may lack
-    sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.8 or newer, found {torch.__version__}")
+MIN_TORCH = "2.8"  # the oldest release this script has run on
+if torch.__version__ < MIN_TORCH:  # compared as versions; checked before the imports below, which an older torch may lack
+    sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch {MIN_TORCH} or newer, found {torch.__version__}")
 
 import torch.distributed as dist
-import torch.distributed.nn  # here, before any group exists, so that it holds none: see leave_process_group()
+import torch.distributed.nn  # before any group exists: its functions bind the default group when imported, and keep it
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -67,6 +68,11 @@ def causes(error):
     while error is not None:
         yield error
         error = error.__cause__ or error.__context__
+
+
+def one_line(error):
+    """The first line of what went wrong."""
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
 
 
 def parse_args():
@@ -120,7 +126,7 @@ def parse_args():
             except OSError as e:
                 fail(f"{flag} {path} is not a directory this process can write to: {e.strerror}")
     args.lr_decay_steps = args.lr_decay_steps or args.max_steps
-    args.memory_snapshot = None  # main() names one where --profile records a GPU's allocations
+    args.memory_snapshot = None  # start_profiler() names one where --profile records a GPU's allocations
     return args
 
 
@@ -328,21 +334,15 @@ def throughput_unit(model, args):
 
 
 def leave_process_group():
-    """Teardown, which atexit runs on every exit path, errors included, while Python is whole. A run that ended
-    cleanly has destroyed its process groups already; after an error, abort them: destroying would wait for collectives
-    that a failed process never joins, aborting frees them at once. It joins gloo's threads, one of which, still running
-    in Python's shutdown, could abort the process; but only if nothing else holds the group. torch.distributed.nn
-    would: its functions take the default group as a default argument, bound when the module is imported, and torch
-    imports it with the first optimizer. Imported at the top, before any group exists, they hold none. Collecting
-    garbage then frees what reference cycles hold (a sharded model's modules and tensors) while Python is whole, too."""
+    """Run by atexit at every exit Python runs (not SIGKILL, not os._exit): after an error, abort the groups, which
+    destroying would leave waiting for a failed peer."""
     if dist.is_initialized():
         dist.distributed_c10d._abort_process_group()  # a private name, the same from torch 2.8 to 2.15
-    gc.collect()
+    gc.collect()  # frees what reference cycles hold while Python is whole: a gloo thread left running aborts the exit
 
 
 def exit_if_another_process_failed(error):
-    """End this process in one line if a collective raised `error` because another process failed or stopped responding
-    (NCCL and the store raise a DistError, gloo a RuntimeError that says so): that process's own line says why."""
+    """Exit in one line if `error` says another process failed or stopped responding: its own line says why."""
     lost = re.compile("by peer|Broken pipe|Connection refused|Timed out waiting")
     seen = next((e for e in causes(error) if isinstance(e, dist.DistError) or lost.search(str(e))), None)
     if seen is not None and dist.is_initialized():
@@ -357,34 +357,32 @@ def setup(args):
     if device.type == "cuda":
         local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()  # local rank r uses GPU r
         if gpus == 1 and os.environ.get("CUDA_VISIBLE_DEVICES") and "TORCHELASTIC_RUN_ID" not in os.environ:
-            # Not torchrun's worker, which shares one environment with the others: a scheduler gave it a GPU of its own.
-            local_rank = 0
+            local_rank = 0  # not a torchrun worker, whose GPUs all workers see: a scheduler gave it a GPU of its own
         if local_rank >= gpus:
-            fail(f"local rank {local_rank} has no GPU: this node has {gpus}; start at most that many processes per node "
-                 f"(--nproc_per_node)")
+            fail(f"local rank {local_rank} has no GPU: this node has {gpus}; start at most that many per node (--nproc_per_node)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before init_process_group, so NCCL uses this process's GPU alone
         if args.precision == "bf16" and torch.cuda.get_device_capability(device) < (8, 0):  # bf16 came with Ampere
             fail(f"--precision bf16 (the default): {torch.cuda.get_device_name(device)} has no bf16; use --precision fp16")
-    # torchrun sets these. Plain `python` makes a world of one, whose store may take any free port ("0"): no other
-    # process has to find it.
+    # The launcher sets these; plain `python` makes a world of one, whose store may take any free port ("0").
     for name, default in [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "0")]:
         os.environ.setdefault(name, default)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
                             timeout=datetime.timedelta(seconds=args.timeout))
-    atexit.register(leave_process_group)  # on every exit path, errors included
+    atexit.register(leave_process_group)  # at every exit Python runs, errors included
     # fp32 matmuls on TF32 tensor cores, on GPUs from Ampere on: 495 instead of 67 TFLOP/s on an H100 (its datasheet),
-    # for a 10-bit mantissa that training does not notice (nanoGPT does the same). Nothing changes on a CPU.
+    # for a 10-bit mantissa that training does not notice. Nothing changes on a CPU.
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(args.seed)
     return device
 
 
 def log_placement(device):
-    """Log, on rank 0, one line per host: its ranks and their devices, gathered from every rank. A GPU is named by the
-    start of its UUID too, which `nvidia-smi -L` prints: CUDA_VISIBLE_DEVICES renumbers the GPUs, it does not."""
-    gpu = f" (GPU-{str(torch.cuda.get_device_properties(device).uuid)[:8]})" if device.type == "cuda" else ""
-    placements = [None] * dist.get_world_size()
+    """Log one line per host: its ranks and their devices. A GPU is named by the start of its UUID too, which
+    `nvidia-smi -L` prints: CUDA_VISIBLE_DEVICES renumbers the GPUs, it does not."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None) if device.type == "cuda" else None  # not in 2.4
+    gpu = f" (GPU-{str(uuid)[:8]})" if uuid else ""
+    placements = [None] * dist.get_world_size()  # every rank's, for rank 0 to log
     dist.all_gather_object(placements, (socket.gethostname(), f"rank {dist.get_rank()} on {device}{gpu}"))
     for host in dict.fromkeys(host for host, _ in placements):  # hosts in the order of their first rank
         log.info(f"{host}: {', '.join(where for on, where in placements if on == host)}")
@@ -426,9 +424,9 @@ def peak_flops(device, precision):
 @torch.no_grad()
 def init_weights(model, seed):
     """Give every parameter and buffer its initial values, one whole tensor at a time on the CPU, drawn by the model's
-    init_tensor() from a generator seeded by `seed` and the tensor's name: a tensor starts with the same values in
-    every script, whichever process holds it, whole or in shards. A model without init_tensor() keeps the values its
-    constructor gave it."""
+    init_tensor() from a generator seeded by `seed` and the tensor's name: a tensor starts with the same values
+    however the model is split across processes, whole or in shards. A model without init_tensor() keeps the values
+    its constructor gave it."""
     if not hasattr(model, "init_tensor"):
         return
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
@@ -450,6 +448,14 @@ def measure_flops(args, data_info, sample):
     return counter.get_total_flops()
 
 
+def write_scalars(writer, scalars, step):
+    """Add each of `scalars`, {tag: number}, to TensorBoard at `step`."""
+    if writer is None:  # every rank but 0, which alone writes
+        return
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, step)
+
+
 def peak_memory(device):
     """The most memory this process has held so far, in bytes: on a GPU what torch's allocator gave its tensors, on
     a CPU all the process had resident, torch itself included, as the OS counts it (None on Windows: no `resource`)."""
@@ -466,7 +472,7 @@ def catch_stop_signals():
     """From here on SIGTERM and SIGUSR1 do not end this process: each is noted in the list returned, and the training
     loop saves a checkpoint at the next step and stops. Schedulers send SIGTERM before they take a machine back (SLURM
     at the time limit or on preemption, Kubernetes, spot instances), torchrun passes it on to its workers, and SLURM
-    sends SIGUSR1 ahead of the time limit when asked to (launch_distributed.sh asks)."""
+    sends SIGUSR1 ahead of the time limit when asked to (#SBATCH --signal=B:USR1@120 asks)."""
     received = []
     for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, lambda signum, frame: received.append(signum))
@@ -481,15 +487,13 @@ def ignore_stop_signals(worker_id):
 
 
 def stop_requested(received, group):
-    """The stop signal that any rank has received (the largest number), or 0 if none. Every rank asks after the same
-    step and gets the same answer, so all stop at one step, though a signal reaches them at different moments, or
-    reaches only some. A one-number all-reduce through gloo, on the CPU: the GPU never waits for it."""
+    """The stop signal that any rank has received (the largest number), or 0 if none: all ranks stop at one step."""
     signum = torch.tensor(received[0] if received else 0)
-    dist.all_reduce(signum, dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(signum, dist.ReduceOp.MAX, group=group)  # through gloo, on the CPU: the GPU never waits for it
     return signum.item()
 
 
-def stopped(signum, step, ckpt_path):
+def exit_stopped(signum, step, ckpt_path):
     """End a run that a stop signal ended, saying where it resumes. Exit status 75 (EX_TEMPFAIL in sysexits.h): not
     a failure, a job to run again."""
     log.info(f"step {step:>5} | stopped by {signal.Signals(signum).name}: " +
@@ -570,10 +574,30 @@ def advance_schedule(scheduler, last_scales):
         fail("gradients are inf or NaN at a loss scale below 1: training diverged; try a lower --lr, or bf16")
 
 
-def diverged(step, what):
+def exit_diverged(step, what):
     """Stop a run whose numbers have blown up, before it can write them over the last good checkpoint."""
     fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr, or clipping "
          f"with a lower --grad-clip")
+
+
+def start_profiler(args, step, rank, device):
+    """With --profile, a profiler that traces three steps once the first have compiled, allocated and filled caches;
+    else a context that does nothing."""
+    if not args.profile:
+        return contextlib.nullcontext()
+    if args.max_steps - step < 9:
+        fail(f"--profile traces steps {step + 7} to {step + 9}, but --max-steps {args.max_steps} stops before")
+    trace_path = os.path.join(args.log_dir, f"trace_rank{rank}.json")
+    # Memory too: every allocation and free, each op's input shapes and the Python lines that called it.
+    profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1),
+                                      on_trace_ready=lambda prof: write_profile(prof, trace_path, args),
+                                      profile_memory=True, record_shapes=True, with_stack=True)
+    log.info(f"tracing steps {step + 7} to {step + 9} into {trace_path}, one file per process: open it at "
+             f"https://ui.perfetto.dev or in chrome://tracing")
+    if device.type == "cuda":  # the allocator's history from here on, for a snapshot at the trace's end or out of memory
+        args.memory_snapshot = os.path.join(args.log_dir, f"memory_rank{rank}.pickle")
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)  # private, 2.1 to 2.13
+    return profiler
 
 
 def write_profile(profiler, trace_path, args):
@@ -586,9 +610,11 @@ def write_profile(profiler, trace_path, args):
         log.info(f"wrote {trace_path} and {args.memory_snapshot}")
 
 
-def out_of_memory(error, where, micro_batch, args, device):
-    """Stop a run that ran out of memory, saying what to change. Nothing changes by itself: a smaller batch would
-    train differently, without a word to the user."""
+def exit_if_out_of_memory(error, where, micro_batch, args, device):
+    """Exit if running out of memory caused `error`, saying what to change. Nothing changes by itself: a smaller
+    batch would train differently, without a word to the user."""
+    if not any(isinstance(e, torch.cuda.OutOfMemoryError) for e in causes(error)):  # torch may wrap it
+        return
     peak = f"{(peak_memory(device) or math.nan) / 2**30:.2f} GiB"  # nan on Windows
     if device.type == "cuda":  # reserved: what the allocator holds, in use or cached; the failed request is not in either
         total = torch.cuda.get_device_properties(device).total_memory
@@ -721,7 +747,7 @@ def load_checkpoint(path, model, optimizer, scheduler, scaler, config, device):
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001  torch.load of a bad file raises anything from EOFError to KeyError
-        fail(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}")
+        fail(f"cannot read checkpoint {path}: {one_line(e)}")
     if not isinstance(state, dict) or state.get("config") != config:
         found = state.get("config") if isinstance(state, dict) else None
         fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
@@ -747,8 +773,8 @@ def main(args):
     is_main_process = rank == 0  # console, TensorBoard and checkpoints: rank 0 alone writes
     logging.basicConfig(format="%(message)s", level=logging.INFO if is_main_process else logging.WARNING, stream=sys.stdout)
     log_placement(device)
-    if args.batch_size % (world_size * args.grad_accum):  # checked here: the world size comes from the group
-        fail(f"--batch-size {args.batch_size} is not divisible by {world_size} processes x --grad-accum {args.grad_accum}")
+    if args.batch_size % (world_size * args.grad_accum):  # here, where the world size is known
+        fail(f"--batch-size {args.batch_size} is not divisible by world size {world_size} x --grad-accum {args.grad_accum}")
     train_set, val_set, data_info = build_datasets(args)
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size
     if steps_per_epoch == 0:
@@ -756,6 +782,10 @@ def main(args):
     if len(val_set) == 0:
         fail("the validation set is empty: the data section must hold some samples out")
     model, config = build_model(args, data_info)
+    unit, units_per_sample, flops_per_unit = throughput_unit(model, args)
+    if flops_per_unit is None:  # the model section does not count them: torch does, once
+        flops_per_unit = measure_flops(args, data_info, train_set[0]) / units_per_sample
+        log.info(f"torch's FlopCounterMode counts {flops_per_unit:,.0f} training FLOPs for each of the {unit}")
     init_weights(model, args.seed)
     model.to(device)
     if args.compile:  # in place: the state dict keeps its keys, and checkpoints stay interchangeable with eager runs
@@ -792,49 +822,27 @@ def main(args):
     val_set = Subset(val_set, range(rank, len(val_set), world_size))  # no padding duplicates, unlike the sampler's
     val_loader = make_loader(val_set, per_process_batch_size, args, pin_memory=pin_memory,
                              worker_init_fn=ignore_stop_signals)
-    unit, units_per_sample, flops_per_unit = throughput_unit(model, args)
-    if flops_per_unit is None:  # the model section does not count them: torch does, once
-        flops_per_unit = measure_flops(args, data_info, train_set[0]) / units_per_sample
-        log.info(f"torch's FlopCounterMode counts {flops_per_unit:,.0f} training FLOPs for each of the {unit}")
     peak = peak_flops(device, args.precision)
-    profiler = contextlib.nullcontext()
-    if args.profile:  # the first steps compile, allocate and fill caches: trace three after them
-        if args.max_steps - step < 9:
-            fail(f"--profile traces steps {step + 7} to {step + 9}, but --max-steps {args.max_steps} stops before")
-        trace_path = os.path.join(args.log_dir, f"trace_rank{rank}.json")
-        # Memory too: every allocation and free, each op's input shapes and the Python lines that called it.
-        profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1),
-                                          on_trace_ready=lambda prof: write_profile(prof, trace_path, args),
-                                          profile_memory=True, record_shapes=True, with_stack=True)
-        log.info(f"tracing steps {step + 7} to {step + 9} into {trace_path}, one file per process: open it at "
-                 f"https://ui.perfetto.dev or in chrome://tracing")
-        if device.type == "cuda":  # the allocator's history from here on, for a snapshot at the trace's end or out of memory
-            args.memory_snapshot = os.path.join(args.log_dir, f"memory_rank{rank}.pickle")
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)  # private, 2.1 to 2.13
+    profiler = start_profiler(args, step, rank, device)
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     micro_batches, scales = None, None
-    # The line this script is about. DDP copies rank 0's weights and buffers to every rank now (here, after any resume:
-    # the copy is of the resumed weights); then in each backward() it averages the gradients across ranks, all-reducing
-    # each bucket of them while the rest of backward runs (compiled too: torch splits the graph at the buckets).
-    # Evaluation and checkpoints use the bare model: no "module." prefix in the keys.
+    # The line this script is about: rank 0's (resumed) weights are copied to every rank now, and each backward()
+    # averages the gradients across ranks, bucket by bucket as they are computed. Evaluation and checkpoints use `model`.
     ddp_model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)  # grads reuse bucket memory
     writing = None  # the checkpoint being written in the background, if any
     received = catch_stop_signals()  # a stop signal from here on saves a checkpoint first
-    # stop_requested's group, on the CPU: beside NCCL's on GPUs. Its timeout is not the default group's unless given.
-    stop_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    # Rank 0 alone opens a TensorBoard writer; the other ranks enter an empty context, where writer is None.
+    stop_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))  # stop_requested's, on the CPU
     with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
                 try:
                     val_loss, val_accuracy = evaluate(model, val_loader, device)
-                except torch.cuda.OutOfMemoryError as error:  # a GPU's; on a CPU the OS ends a process that runs out
-                    out_of_memory(error, f"evaluation at step {step}", per_process_batch_size, args, device)
+                except RuntimeError as error:  # on a CPU the OS ends a process that runs out of memory: only a GPU's is here
+                    exit_if_out_of_memory(error, f"evaluation at step {step}", per_process_batch_size, args, device)
+                    raise
                 log.info(f"step {step:>5} | val loss {val_loss:.4f} | val accuracy {val_accuracy:.4f}")
-                if is_main_process:
-                    writer.add_scalar("val/loss", val_loss, step)
-                    writer.add_scalar("val/accuracy", val_accuracy, step)
+                write_scalars(writer, {"val/loss": val_loss, "val/accuracy": val_accuracy}, step)
             if step == args.max_steps:
                 break
             if micro_batches is None or step % steps_per_epoch == 0:
@@ -844,8 +852,9 @@ def main(args):
                 micro_batches = iter(train_loader)
             try:
                 loss, scales = train_step(ddp_model, optimizer, scheduler, scaler, micro_batches, args, device, scales)
-            except torch.cuda.OutOfMemoryError as error:
-                out_of_memory(error, f"step {step + 1}", per_process_batch_size, args, device)
+            except RuntimeError as error:
+                exit_if_out_of_memory(error, f"step {step + 1}", per_process_batch_size, args, device)
+                raise
             step += 1
             if args.profile:
                 profiler.step()
@@ -861,7 +870,7 @@ def main(args):
                 loss /= world_size
                 train_loss = loss.item()  # waits for the device to finish: read before the clock
                 if not math.isfinite(train_loss):
-                    diverged(step, f"the loss is {train_loss}")
+                    exit_diverged(step, f"the loss is {train_loss}")
                 now = time.perf_counter()
                 units_per_sec = (step - last_step) * args.batch_size * units_per_sample / (now - last_time)
                 elapsed = datetime.timedelta(seconds=round(now - start_time))  # printed as h:mm:ss
@@ -871,16 +880,17 @@ def main(args):
                            f"train/{unit}_per_sec": units_per_sec, "train/tflops_per_process": flops / 1e12}
                 if peak:
                     metrics["train/mfu"] = flops / peak
+                if device.type == "cuda":  # the most that this process's tensors have taken on its GPU so far
+                    metrics["train/peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 log.info(f"step {step:>5} | loss {train_loss:.4f} | lr {metrics['train/lr']:.2e} | "
                          f"{units_per_sec:,.0f} {unit}/s, {flops / 1e12:.3g} TFLOP/s" +
-                         (f" ({flops / peak:.0%} MFU)" if peak else "") + f" | {elapsed} elapsed, {left} left")
-                if is_main_process:
-                    for name, value in metrics.items():
-                        writer.add_scalar(name, value, step)
+                         (f" ({flops / peak:.0%} MFU)" if peak else "") + f" | {elapsed} elapsed, {left} left" +
+                         (f" | {metrics['train/peak_memory_gib']:.2f} GiB peak" if device.type == "cuda" else ""))
+                write_scalars(writer, metrics, step)
                 last_step, last_time = step, now
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
                 if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device
-                    diverged(step, "the weights are no longer finite")
+                    exit_diverged(step, "the weights are no longer finite")
                 wait = args.sync_checkpoints or step == args.max_steps or stop > 0  # the last is whole before the end
                 if is_main_process:
                     writing = save_checkpoint(ckpt_path, model, optimizer, scheduler, scaler, step, config, args.keep_checkpoints,
@@ -888,7 +898,7 @@ def main(args):
                 dist.barrier()  # no rank runs ahead of a save, or exits before the last is written
                 log.info(f"step {step:>5} | " + (f"saving {ckpt_path} in the background" if writing else f"saved {ckpt_path}"))
             if stop:
-                stopped(stop, step, ckpt_path)
+                exit_stopped(stop, step, ckpt_path)
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory(device))  # every process's own, for rank 0 to log; a collective
     if peaks[0] is not None:

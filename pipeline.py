@@ -32,11 +32,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-if torch.__version__ < "2.10":  # compared as versions; checked before the imports below, which an older torch may lack
-    sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch 2.10 or newer, found {torch.__version__}")
+MIN_TORCH = "2.10"  # the oldest release this script has run on
+if torch.__version__ < MIN_TORCH:  # compared as versions; checked before the imports below, which an older torch may lack
+    sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch {MIN_TORCH} or newer, found {torch.__version__}")
 
 import torch.distributed as dist
-import torch.distributed.nn  # here, before any group exists, so that it holds none: see leave_process_group()
+import torch.distributed.nn  # before any group exists: its functions bind the default group when imported, and keep it
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
@@ -75,6 +76,12 @@ def causes(error):
         error = error.__cause__ or error.__context__
 
 
+def one_line(error):
+    """The first line of what went wrong: of the first failing rank's error, where DCP gathers every rank's into one."""
+    error = next(iter(error.failures.values()))[0] if isinstance(error, dcp.CheckpointException) else error
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=int, default=32, help="global batch: samples per optimizer step")
@@ -99,7 +106,7 @@ def parse_args():
     parser.add_argument("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]),
                         help="TensorBoard directory")
     parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint here, a directory of each stage's tensors, and resume "
-                        "from it (or from another script's DIR/checkpoint.pt; default: off)")
+                        "from it (or from DIR/checkpoint.pt, the whole model in one file; default: off)")
     parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
                         help="keep the last K checkpoints, numbered by step (default 1: the latest alone)")
@@ -110,8 +117,7 @@ def parse_args():
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a missing or stuck rank, then fail")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model: slower start, faster steps")
     parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="keep each block's input alone, and run its forward again in backward: less memory, more "
-                        "compute")
+                        help="keep each block's input alone and rerun its forward in backward: less memory, more compute")
     parser.add_argument("--profile", action="store_true",
                         help="trace steps 7 to 9 of this run with torch.profiler: a Chrome trace per process in --log-dir")
     own_flags = vars(parser.parse_known_args([])[0])  # checked below; the data and model sections check theirs
@@ -140,7 +146,7 @@ def parse_args():
             except OSError as e:
                 fail(f"{flag} {path} is not a directory this process can write to: {e.strerror}")
     args.lr_decay_steps = args.lr_decay_steps or args.max_steps
-    args.memory_snapshot = None  # main() names one where --profile records a GPU's allocations
+    args.memory_snapshot = None  # start_profiler() names one where --profile records a GPU's allocations
     return args
 
 
@@ -348,21 +354,15 @@ def throughput_unit(model, args):
 
 
 def leave_process_group():
-    """Teardown, which atexit runs on every exit path, errors included, while Python is whole. A run that ended
-    cleanly has destroyed its process groups already; after an error, abort them: destroying would wait for collectives
-    that a failed process never joins, aborting frees them at once. It joins gloo's threads, one of which, still running
-    in Python's shutdown, could abort the process; but only if nothing else holds the group. torch.distributed.nn
-    would: its functions take the default group as a default argument, bound when the module is imported, and torch
-    imports it with the first optimizer. Imported at the top, before any group exists, they hold none. Collecting
-    garbage then frees what reference cycles hold (a sharded model's modules and tensors) while Python is whole, too."""
+    """Run by atexit at every exit Python runs (not SIGKILL, not os._exit): after an error, abort the groups, which
+    destroying would leave waiting for a failed peer."""
     if dist.is_initialized():
         dist.distributed_c10d._abort_process_group()  # a private name, the same from torch 2.8 to 2.15
-    gc.collect()
+    gc.collect()  # frees what reference cycles hold while Python is whole: a gloo thread left running aborts the exit
 
 
 def exit_if_another_process_failed(error):
-    """End this process in one line if a collective raised `error` because another process failed or stopped responding
-    (NCCL and the store raise a DistError, gloo a RuntimeError that says so): that process's own line says why."""
+    """Exit in one line if `error` says another process failed or stopped responding: its own line says why."""
     lost = re.compile("by peer|Broken pipe|Connection refused|Timed out waiting")
     seen = next((e for e in causes(error) if isinstance(e, dist.DistError) or lost.search(str(e))), None)
     if seen is not None and dist.is_initialized():
@@ -377,32 +377,30 @@ def setup(args):
     if device.type == "cuda":
         local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()  # local rank r uses GPU r
         if gpus == 1 and os.environ.get("CUDA_VISIBLE_DEVICES") and "TORCHELASTIC_RUN_ID" not in os.environ:
-            # Not torchrun's worker, which shares one environment with the others: a scheduler gave it a GPU of its own.
-            local_rank = 0
+            local_rank = 0  # not a torchrun worker, whose GPUs all workers see: a scheduler gave it a GPU of its own
         if local_rank >= gpus:
-            fail(f"local rank {local_rank} has no GPU: this node has {gpus}; start at most that many processes per node "
-                 f"(--nproc_per_node)")
+            fail(f"local rank {local_rank} has no GPU: this node has {gpus}; start at most that many per node (--nproc_per_node)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before init_process_group, so NCCL uses this process's GPU alone
-    # torchrun sets these. Plain `python` makes a world of one, whose store may take any free port ("0"): no other
-    # process has to find it.
+    # The launcher sets these; plain `python` makes a world of one, whose store may take any free port ("0").
     for name, default in [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "0")]:
         os.environ.setdefault(name, default)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
                             timeout=datetime.timedelta(seconds=args.timeout))
-    atexit.register(leave_process_group)  # on every exit path, errors included
+    atexit.register(leave_process_group)  # at every exit Python runs, errors included
     # fp32 matmuls on TF32 tensor cores, on GPUs from Ampere on: 495 instead of 67 TFLOP/s on an H100 (its datasheet),
-    # for a 10-bit mantissa that training does not notice (nanoGPT does the same). Nothing changes on a CPU.
+    # for a 10-bit mantissa that training does not notice. Nothing changes on a CPU.
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(args.seed)
     return device
 
 
 def log_placement(device):
-    """Log, on rank 0, one line per host: its ranks and their devices, gathered from every rank. A GPU is named by the
-    start of its UUID too, which `nvidia-smi -L` prints: CUDA_VISIBLE_DEVICES renumbers the GPUs, it does not."""
-    gpu = f" (GPU-{str(torch.cuda.get_device_properties(device).uuid)[:8]})" if device.type == "cuda" else ""
-    placements = [None] * dist.get_world_size()
+    """Log one line per host: its ranks and their devices. A GPU is named by the start of its UUID too, which
+    `nvidia-smi -L` prints: CUDA_VISIBLE_DEVICES renumbers the GPUs, it does not."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None) if device.type == "cuda" else None  # not in 2.4
+    gpu = f" (GPU-{str(uuid)[:8]})" if uuid else ""
+    placements = [None] * dist.get_world_size()  # every rank's, for rank 0 to log
     dist.all_gather_object(placements, (socket.gethostname(), f"rank {dist.get_rank()} on {device}{gpu}"))
     for host in dict.fromkeys(host for host, _ in placements):  # hosts in the order of their first rank
         log.info(f"{host}: {', '.join(where for on, where in placements if on == host)}")
@@ -442,13 +440,11 @@ def peak_flops(device, precision):
 
 
 def split_model(model, stage_indices, num_stages, inputs):
-    """Keep these stages' parts of the model and drop the rest: each a run of consecutive blocks, as even as their
-    number allows, and the modules registered before the blocks on the first stage, after them on the last.
-    Returns what each stage holds, by module name, and what each of these stages takes in and gives out for
-    `inputs`, a micro-batch on the meta device, as the model is."""
+    """Keep these stages' parts of the model (runs of blocks; embed()'s modules first, output()'s last), delete the rest.
+    Returns each stage's module names, and these stages' example inputs and outputs for `inputs` on the meta device."""
     if not (isinstance(getattr(model, "blocks", None), nn.ModuleDict) and hasattr(model, "embed") and hasattr(model, "output")):
         fail("pipeline.py runs a model as embed(), the modules of a ModuleDict named blocks, then output(): "
-             f"{type(model).__name__} lacks some of them (see README)")
+             f"{type(model).__name__} lacks some of them")
     blocks = list(model.blocks)
     if num_stages > len(blocks):
         fail(f"{num_stages} pipeline stages (processes x --stages-per-process), but the model has {len(blocks)} blocks: "
@@ -456,15 +452,12 @@ def split_model(model, stage_indices, num_stages, inputs):
     if any(True for _ in model.named_parameters(recurse=False)):
         fail("pipeline.py splits the model by its modules: a parameter of the model itself would belong to no stage")
     if len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters())):
-        fail("pipeline.py cannot split a model whose modules share a parameter (tied weights): see README")
-    # Stage s holds blocks ceil(s * n / S) up to ceil((s + 1) * n / S): any left over go to the first stages, not to
-    # the last, which also holds the layers after the blocks.
+        fail("pipeline.py cannot split modules that share a parameter (tied weights): two stages would train two copies")
+    # Stage s holds blocks ceil(s * n / S) up to ceil((s + 1) * n / S): any left over go to the first stages.
     bounds = [math.ceil(s * len(blocks) / num_stages) for s in range(num_stages + 1)]
     runs = [blocks[start:end] for start, end in itertools.pairwise(bounds)]
-    # The whole model's forward on the meta device, cut where the stages meet: shapes and dtypes, with no memory and
-    # no arithmetic. Without these examples, PipelineStage finds the shapes by running each stage at the first step,
-    # in training mode, on uninitialised inputs: BatchNorm would count them. Run so, piece by piece, the model must call
-    # the modules that forward() calls, in its order, to its output's shape: or the stages would train another model.
+    # The forward on the meta device, piece by piece: each stage's shapes without memory (PipelineStage would run it
+    # on uninitialised inputs, which BatchNorm would count), and the same modules, in order, as forward() calls.
     children = [name for name, _ in model.named_children()]
     called = []  # the modules that run, by name, in order
     hooks = [module.register_forward_pre_hook(lambda *_, name=name: called.append(name))
@@ -481,14 +474,14 @@ def split_model(model, stage_indices, num_stages, inputs):
             activations.append(model.output(x) if s == num_stages - 1 else x)
     for hook in hooks:
         hook.remove()
-    # The first stage keeps the modules registered before the blocks, the last those after: embed() may run only the
-    # former, output() only the latter. Each module's side: -1 before the blocks, 0 in them, 1 after them.
+    # Each module's side of the blocks: -1 before (the first stage's), 0 in them, 1 after (the last stage's).
     side = {name: (i > children.index("blocks")) - (i < children.index("blocks")) for i, name in enumerate(children)}
     if [side[name.split(".")[0]] for name in called] != sorted(side[name.split(".")[0]] for name in called):
-        fail("embed() must run only modules registered before blocks, output() only those after (see README)")
+        fail("embed() must run only modules registered before blocks, output() only those after: the first stage holds the "
+             "former, the last the latter")
     if called != forward_called or activations[-1].shape != getattr(whole, "shape", None):
         fail("forward() does not run as embed(), the blocks in order, then output(): pipeline.py, which runs those, "
-             "would train another model (see README)")
+             "would train another model")
     activations[1:] = [x.requires_grad_() for x in activations[1:]]  # in training, gradients flow back through these
     before, after = children[:children.index("blocks")], children[children.index("blocks") + 1:]
     parts = [[f"blocks.{name}" for name in run] for run in runs]
@@ -496,8 +489,7 @@ def split_model(model, stage_indices, num_stages, inputs):
     parts[-1] = parts[-1] + after  # the same list as parts[0] in a world of one
     for name in [name for s, part in enumerate(parts) if s not in stage_indices for name in part]:
         parent, child = name.split(".") if name.startswith("blocks.") else ("", name)
-        # Deleted from a ModuleDict, a block leaves the others' names as they were ("blocks.2" stays "blocks.2"): the
-        # stages' state dicts hold the whole model's keys between them, and checkpoints have the unsplit model's keys.
+        # The others keep their names ("blocks.2" stays "blocks.2"): checkpoints have the unsplit model's keys.
         delattr(model.get_submodule(parent), child)
     return parts, [(activations[s], activations[s + 1]) for s in stage_indices]
 
@@ -522,9 +514,9 @@ class Stage(nn.Module):
 @torch.no_grad()
 def init_weights(model, seed):
     """Give every parameter and buffer its initial values, one whole tensor at a time on the CPU, drawn by the model's
-    init_tensor() from a generator seeded by `seed` and the tensor's name: a tensor starts with the same values in
-    every script, whichever process holds it, whole or in shards. A model without init_tensor() keeps the values its
-    constructor gave it."""
+    init_tensor() from a generator seeded by `seed` and the tensor's name: a tensor starts with the same values
+    however the model is split across processes, whole or in shards. A model without init_tensor() keeps the values
+    its constructor gave it."""
     if not hasattr(model, "init_tensor"):
         return
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
@@ -546,6 +538,14 @@ def measure_flops(args, data_info, sample):
     return counter.get_total_flops()
 
 
+def write_scalars(writer, scalars, step):
+    """Add each of `scalars`, {tag: number}, to TensorBoard at `step`."""
+    if writer is None:  # every rank but 0, which alone writes
+        return
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, step)
+
+
 def peak_memory(device):
     """The most memory this process has held so far, in bytes: on a GPU what torch's allocator gave its tensors, on
     a CPU all the process had resident, torch itself included, as the OS counts it (None on Windows: no `resource`)."""
@@ -562,7 +562,7 @@ def catch_stop_signals():
     """From here on SIGTERM and SIGUSR1 do not end this process: each is noted in the list returned, and the training
     loop saves a checkpoint at the next step and stops. Schedulers send SIGTERM before they take a machine back (SLURM
     at the time limit or on preemption, Kubernetes, spot instances), torchrun passes it on to its workers, and SLURM
-    sends SIGUSR1 ahead of the time limit when asked to (launch_distributed.sh asks)."""
+    sends SIGUSR1 ahead of the time limit when asked to (#SBATCH --signal=B:USR1@120 asks)."""
     received = []
     for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, lambda signum, frame: received.append(signum))
@@ -577,15 +577,13 @@ def ignore_stop_signals(worker_id):
 
 
 def stop_requested(received, group):
-    """The stop signal that any rank has received (the largest number), or 0 if none. Every rank asks after the same
-    step and gets the same answer, so all stop at one step, though a signal reaches them at different moments, or
-    reaches only some. A one-number all-reduce through gloo, on the CPU: the GPU never waits for it."""
+    """The stop signal that any rank has received (the largest number), or 0 if none: all ranks stop at one step."""
     signum = torch.tensor(received[0] if received else 0)
-    dist.all_reduce(signum, dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(signum, dist.ReduceOp.MAX, group=group)  # through gloo, on the CPU: the GPU never waits for it
     return signum.item()
 
 
-def stopped(signum, step, ckpt_path):
+def exit_stopped(signum, step, ckpt_path):
     """End a run that a stop signal ended, saying where it resumes. Exit status 75 (EX_TEMPFAIL in sysexits.h): not
     a failure, a job to run again."""
     log.info(f"step {step:>5} | stopped by {signal.Signals(signum).name}: " +
@@ -622,16 +620,13 @@ def param_names(model, optimizer):
 
 
 def train_step(schedule, model, optimizer, scheduler, batches, args, device):
-    """One optimizer step: the schedule cuts the batch into --grad-accum micro-batches and runs them through the
-    stages. Returns the mean loss as a tensor, on the last stage (zero on the others): reading it with .item()
-    would wait for the GPU, so only logging steps do."""
+    """One optimizer step over --grad-accum micro-batches, which the schedule cuts from the batch. Returns the mean loss
+    as a tensor (zero but on the last stage): reading it with .item() would wait for the GPU, so only logging steps do."""
     total_loss = torch.zeros((), device=device)
     inputs, targets = next(batches)
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     losses = []  # filled on the last stage: loss_fn of each micro-batch, whose backward() the schedule runs
-    # The first stage takes the inputs, the last the targets, each copied to its device; a stage between takes only
-    # what its neighbours send. The schedule then divides the gradients by the micro-batches' number, as a loss
-    # divided by --grad-accum would.
+    # The first stage takes the inputs, the last the targets; the schedule divides the gradients by --grad-accum.
     schedule.step(*[inputs.to(device, non_blocking=True)] if rank == 0 else [],
                   target=targets.to(device, non_blocking=True) if rank == last else None, losses=losses,
                   return_outputs=False)
@@ -647,10 +642,30 @@ def train_step(schedule, model, optimizer, scheduler, batches, args, device):
     return total_loss
 
 
-def diverged(step, what):
+def exit_diverged(step, what):
     """Stop a run whose numbers have blown up, before it can write them over the last good checkpoint."""
     fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr, or clipping "
          f"with a lower --grad-clip")
+
+
+def start_profiler(args, step, rank, device):
+    """With --profile, a profiler that traces three steps once the first have compiled, allocated and filled caches;
+    else a context that does nothing."""
+    if not args.profile:
+        return contextlib.nullcontext()
+    if args.max_steps - step < 9:
+        fail(f"--profile traces steps {step + 7} to {step + 9}, but --max-steps {args.max_steps} stops before")
+    trace_path = os.path.join(args.log_dir, f"trace_rank{rank}.json")
+    # Memory too: every allocation and free, each op's input shapes and the Python lines that called it.
+    profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1),
+                                      on_trace_ready=lambda prof: write_profile(prof, trace_path, args),
+                                      profile_memory=True, record_shapes=True, with_stack=True)
+    log.info(f"tracing steps {step + 7} to {step + 9} into {trace_path}, one file per process: open it at "
+             f"https://ui.perfetto.dev or in chrome://tracing")
+    if device.type == "cuda":  # the allocator's history from here on, for a snapshot at the trace's end or out of memory
+        args.memory_snapshot = os.path.join(args.log_dir, f"memory_rank{rank}.pickle")
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)  # private, 2.1 to 2.13
+    return profiler
 
 
 def write_profile(profiler, trace_path, args):
@@ -663,9 +678,11 @@ def write_profile(profiler, trace_path, args):
         log.info(f"wrote {trace_path} and {args.memory_snapshot}")
 
 
-def out_of_memory(error, where, micro_batch, args, device):
-    """Stop a run that ran out of memory, saying what to change. Nothing changes by itself: a smaller batch would
-    train differently, without a word to the user."""
+def exit_if_out_of_memory(error, where, micro_batch, args, device):
+    """Exit if running out of memory caused `error`, saying what to change. Nothing changes by itself: a smaller
+    batch would train differently, without a word to the user."""
+    if not any(isinstance(e, torch.cuda.OutOfMemoryError) for e in causes(error)):  # torch may wrap it
+        return
     peak = f"{(peak_memory(device) or math.nan) / 2**30:.2f} GiB"  # nan on Windows
     if device.type == "cuda":  # reserved: what the allocator holds, in use or cached; the failed request is not in either
         total = torch.cuda.get_device_properties(device).total_memory
@@ -726,18 +743,10 @@ def evaluate(schedule, model, loader, device):
 # -- checkpointing ------------------------------------------------------------
 
 
-def one_line(error):
-    """The first line of what went wrong: of the first failing rank's error, where DCP gathers every rank's into one."""
-    error = next(iter(error.failures.values()))[0] if isinstance(error, dcp.CheckpointException) else error
-    return (str(error).strip() or type(error).__name__).splitlines()[0]
-
-
 def save_checkpoint(path, model, optimizer, scheduler, step, config, order, keep, writing, wait, save_group):
     """Copy the training state to host memory and write the copy in a thread while training goes on; or, with
     `wait`, write the state itself before training goes on. `writing`, the save still in progress, completes first:
-    one at a time. Returns the new save in progress, or None once written. Python waits for the thread as it exits.
-    DCP copies and writes, its collectives in `save_group`: every rank writes what it holds (its shards of every
-    tensor, or its pipeline stage's whole tensors) under the whole model's names, in parallel, into a new directory."""
+    one at a time. Returns the new save in progress, or None once written. Python waits for the thread as it exits."""
     wait_for_checkpoint(writing, path)
     directory, name = os.path.split(path)
     new = os.path.join(directory, f"{name}-{step:06d}")  # DIR/checkpoint -> DIR/checkpoint-000100
@@ -764,9 +773,8 @@ def save_checkpoint(path, model, optimizer, scheduler, step, config, order, keep
 
 
 def point_to_checkpoint(writing, path, new, keep):
-    """Once `writing` has written every rank's part into the directory `new`, point the link `path` at it, and keep
-    the `keep` directories written last. Repointing a link is atomic: a crash mid-save leaves the previous checkpoint
-    whole (DCP saving into the old directory would overwrite it in place)."""
+    """Once `writing` has written every rank's part into `new`, point the link `path` at it (atomically: a crash
+    leaves the previous checkpoint whole), and keep the `keep` directories written last."""
     writing.result()
     with contextlib.suppress(FileNotFoundError):
         os.remove(path + ".tmp")
@@ -811,8 +819,7 @@ def wait_for_checkpoint(writing, path):
 
 
 def read_checkpoint(path, state):
-    """Load the checkpoint at `path` into the tensors and objects of `state`, in place; or, for state None, return
-    the whole state dict in the checkpoint.pt beside it. Any error ends the run with one line, on every rank."""
+    """Load the checkpoint at `path` into `state`, in place, or, for state None, return the checkpoint.pt beside it."""
     try:
         if state is None:  # every rank maps the file, rather than reading it all, and keeps its part
             return torch.load(path + ".pt", map_location="cpu", weights_only=True, mmap=True)
@@ -824,14 +831,12 @@ def read_checkpoint(path, state):
 
 
 def load_checkpoint(path, model, optimizer, scheduler, config, device):
-    """Restore this process's training state in place and return the step to continue from: from the checkpoint at
-    `path`, a directory of tensors saved by any number of processes (DCP reshards it), or from the checkpoint.pt
-    beside it, the whole model in one file (as one-process and DDP runs save it)."""
+    """Restore the training state in place and return the step to continue from."""
     whole = os.path.exists(path + ".pt")
-    if whole and os.path.exists(path):  # this script resumed another's checkpoint.pt, or another script a conversion
+    if whole and os.path.exists(path):  # both: a one-file run's, or converted
         whole = read_checkpoint(path, None)["step"] > read_checkpoint(path, {"step": 0})["step"]  # the later one
     if whole:
-        log.info(f"reading {path}.pt, the checkpoint of another script")
+        log.info(f"reading {path}.pt, the whole model in one file")
     # The configuration first: the shards of another model would not fit this one's.
     state = read_checkpoint(path, None if whole else {"scheduler": scheduler.state_dict(), "step": 0,
                                                      "config": dict.fromkeys(config)})
@@ -868,10 +873,6 @@ def main(args):
     is_main_process = rank == 0  # console, TensorBoard and checkpoints: rank 0 alone writes
     logging.basicConfig(format="%(message)s", level=logging.INFO if is_main_process else logging.WARNING, stream=sys.stdout)
     log_placement(device)
-    # Checked here, where the world size is known. The interleaved schedules run rounds of micro-batches: torch checks.
-    if args.schedule == "1f1b" and args.stages_per_process == 1 and args.grad_accum < world_size:
-        fail(f"--schedule {args.schedule} needs at least as many micro-batches as processes: --grad-accum "
-             f"{args.grad_accum} is fewer than {world_size}")
     if args.stages_per_process > 1 and world_size == 1:
         fail(f"--stages-per-process {args.stages_per_process} shrinks the bubble of several processes: one has none")
     train_set, val_set, data_info = build_datasets(args)
@@ -882,7 +883,7 @@ def main(args):
         fail("the validation set is empty: the data section must hold some samples out")
     with torch.device("meta"):  # names and shapes, no memory: no process ever holds the whole model, only its stage
         model, config = build_model(args, data_info)
-    unit, units_per_sample, flops_per_unit = throughput_unit(model, args)  # the whole model's, before the split
+    unit, units_per_sample, flops_per_unit = throughput_unit(model, args)
     if flops_per_unit is None:  # the model section does not count them: torch does, once
         flops_per_unit = measure_flops(args, data_info, train_set[0]) / units_per_sample
         log.info(f"torch's FlopCounterMode counts {flops_per_unit:,.0f} training FLOPs for each of the {unit}")
@@ -895,7 +896,7 @@ def main(args):
         model.to_empty(device=device)  # allocates this stage's tensors, uninitialised
         init_weights(model, args.seed)
     else:  # its values come whole from its constructor: build it so, and keep this stage's
-        log.info("the model has no init_tensor(): every process builds it whole, then keeps its stage (see README)")
+        log.info("the model has no init_tensor(name, value, generator): every process builds it whole, then keeps its stage")
         model.load_state_dict(build_model(args, data_info)[0].state_dict(), strict=False, assign=True)
         model.to(device)
     stage_modules = [Stage(model, parts[s], is_first=s == 0, is_last=s == num_stages - 1) for s in stage_indices]
@@ -906,6 +907,7 @@ def main(args):
         for stage_module in stage_modules:
             stage_module.compile()
     optimizer, scheduler = configure_optimizer(model, args, device)
+    per_process_batch_size = args.batch_size // args.grad_accum  # samples in one forward pass: a micro-batch
     every_stage_names = [None] * world_size
     dist.all_gather_object(every_stage_names, param_names(model, optimizer))
     # The whole model's parameters, group by group, in the model's order: as an unsplit model's optimizer holds them.
@@ -948,28 +950,12 @@ def main(args):
     val_loader = make_loader(val_set, args.batch_size, args, pin_memory=pin_memory,
                              worker_init_fn=ignore_stop_signals)
     peak = peak_flops(device, "tf32")
-    profiler = contextlib.nullcontext()
-    if args.profile:  # the first steps compile, allocate and fill caches: trace three after them
-        if args.max_steps - step < 9:
-            fail(f"--profile traces steps {step + 7} to {step + 9}, but --max-steps {args.max_steps} stops before")
-        trace_path = os.path.join(args.log_dir, f"trace_rank{rank}.json")
-        # Memory too: every allocation and free, each op's input shapes and the Python lines that called it.
-        profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1),
-                                          on_trace_ready=lambda prof: write_profile(prof, trace_path, args),
-                                          profile_memory=True, record_shapes=True, with_stack=True)
-        log.info(f"tracing steps {step + 7} to {step + 9} into {trace_path}, one file per process: open it at "
-                 f"https://ui.perfetto.dev or in chrome://tracing")
-        if device.type == "cuda":  # the allocator's history from here on, for a snapshot at the trace's end or out of memory
-            args.memory_snapshot = os.path.join(args.log_dir, f"memory_rank{rank}.pickle")
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)  # private, 2.1 to 2.13
+    profiler = start_profiler(args, step, rank, device)
     start_step, start_time = step, time.perf_counter()
     last_step, last_time = step, start_time
     batches = None
-    # The line this script is about. The stage sends its outputs to the next stage and their gradients back to the one
-    # before, and the schedule orders the micro-batches' forward and backward passes: GPipe all forwards, then all
-    # backwards; 1F1B one backward after each forward once the pipeline is full, to hold fewer micro-batches'
-    # activations. The shapes are split_model's examples: every pass must have them (see evaluate).
-    # The arguments after device by keyword: their order differs between torch versions.
+    # The line this script is about: each stage sends activations on and gradients back, and the schedule orders the
+    # micro-batches' passes (GPipe: all forwards, then all backwards; 1F1B: a backward after each forward once full).
     stages, eval_stages = [[PipelineStage(module, s, num_stages, device, input_args=inputs, output_args=outputs)
                             for module, s, (inputs, outputs) in zip(stage_modules, stage_indices, examples)]
                            for _ in range(2)]
@@ -984,28 +970,22 @@ def main(args):
         schedule = schedule_class(stages, n_microbatches=args.grad_accum, loss_fn=loss_fn)
     except ValueError as error:  # a layout the schedule cannot order: torch says why
         fail(f"--schedule {args.schedule} cannot run {args.grad_accum} micro-batches on {num_stages} stages: {error}")
-    # Evaluation has stages and a schedule of their own, forward only (no loss_fn): on torch 2.10 and 2.11 a stage's
-    # first pass decides for good whether the activations it receives take gradients, and step 0 evaluates first.
+    # Evaluation's own stages, forward only: on torch 2.10 and 2.11 a stage's first pass fixes whether inputs need grad.
     eval_schedule = eval_class(eval_stages, n_microbatches=args.grad_accum)
     writing = None  # the checkpoint being written in the background, if any
     received = catch_stop_signals()  # a stop signal from here on saves a checkpoint first
-    # stop_requested's group, on the CPU: beside NCCL's on GPUs. Its timeout is not the default group's unless given.
-    stop_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    stop_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))  # stop_requested's, on the CPU
     save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))  # the saves' own
-    # Rank 0 alone opens a TensorBoard writer; the other ranks enter an empty context, where writer is None.
     with SummaryWriter(args.log_dir) if is_main_process else contextlib.nullcontext() as writer, profiler:
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
                 try:
                     val_loss, val_accuracy = evaluate(eval_schedule, model, val_loader, device)
-                except RuntimeError as error:  # a stage's errors come wrapped: their cause is the original
-                    if not any(isinstance(e, torch.cuda.OutOfMemoryError) for e in causes(error)):
-                        raise  # on a CPU the OS ends a process that runs out of memory: only a GPU's error is here
-                    out_of_memory(error, f"evaluation at step {step}", args.batch_size // args.grad_accum, args, device)
+                except RuntimeError as error:  # on a CPU the OS ends a process that runs out of memory: only a GPU's is here
+                    exit_if_out_of_memory(error, f"evaluation at step {step}", per_process_batch_size, args, device)
+                    raise
                 log.info(f"step {step:>5} | val loss {val_loss:.4f} | val accuracy {val_accuracy:.4f}")
-                if is_main_process:
-                    writer.add_scalar("val/loss", val_loss, step)
-                    writer.add_scalar("val/accuracy", val_accuracy, step)
+                write_scalars(writer, {"val/loss": val_loss, "val/accuracy": val_accuracy}, step)
             if step == args.max_steps:
                 break
             if batches is None or step % steps_per_epoch == 0:
@@ -1016,9 +996,8 @@ def main(args):
             try:
                 loss = train_step(schedule, model, optimizer, scheduler, batches, args, device)
             except RuntimeError as error:
-                if not any(isinstance(e, torch.cuda.OutOfMemoryError) for e in causes(error)):
-                    raise
-                out_of_memory(error, f"step {step + 1}", args.batch_size // args.grad_accum, args, device)
+                exit_if_out_of_memory(error, f"step {step + 1}", per_process_batch_size, args, device)
+                raise
             step += 1
             if args.profile:
                 profiler.step()
@@ -1030,7 +1009,7 @@ def main(args):
                 dist.broadcast(loss, src=world_size - 1)  # the loss exists on the last stage; a collective, on every rank
                 train_loss = loss.item()  # waits for the device to finish: read before the clock
                 if not math.isfinite(train_loss):
-                    diverged(step, f"the loss is {train_loss}")
+                    exit_diverged(step, f"the loss is {train_loss}")
                 now = time.perf_counter()
                 units_per_sec = (step - last_step) * args.batch_size * units_per_sample / (now - last_time)
                 elapsed = datetime.timedelta(seconds=round(now - start_time))  # printed as h:mm:ss
@@ -1040,26 +1019,26 @@ def main(args):
                            f"train/{unit}_per_sec": units_per_sec, "train/tflops_per_process": flops / 1e12}
                 if peak:
                     metrics["train/mfu"] = flops / peak
+                if device.type == "cuda":  # the most that this process's tensors have taken on its GPU so far
+                    metrics["train/peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 log.info(f"step {step:>5} | loss {train_loss:.4f} | lr {metrics['train/lr']:.2e} | "
                          f"{units_per_sec:,.0f} {unit}/s, {flops / 1e12:.3g} TFLOP/s" +
-                         (f" ({flops / peak:.0%} MFU)" if peak else "") + f" | {elapsed} elapsed, {left} left")
-                if is_main_process:
-                    for name, value in metrics.items():
-                        writer.add_scalar(name, value, step)
+                         (f" ({flops / peak:.0%} MFU)" if peak else "") + f" | {elapsed} elapsed, {left} left" +
+                         (f" | {metrics['train/peak_memory_gib']:.2f} GiB peak" if device.type == "cuda" else ""))
+                write_scalars(writer, metrics, step)
                 last_step, last_time = step, now
             if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
                 finite = torch.stack([p.isfinite().all() for p in model.parameters()]).all().int()
                 dist.all_reduce(finite, dist.ReduceOp.MIN)  # this stage's weights, then every stage's: all stop, or none
                 if not finite:
-                    diverged(step, "the weights are no longer finite")
-                # every rank writes its part
+                    exit_diverged(step, "the weights are no longer finite")
                 wait = args.sync_checkpoints or step == args.max_steps or stop > 0  # the last is whole before the end
                 writing = save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, order, args.keep_checkpoints,
                                           writing, wait, save_group)
                 dist.barrier()  # no rank runs ahead of a save, or exits before the last is written
                 log.info(f"step {step:>5} | " + (f"saving {ckpt_path} in the background" if writing else f"saved {ckpt_path}"))
             if stop:
-                stopped(stop, step, ckpt_path)
+                exit_stopped(stop, step, ckpt_path)
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory(device))  # every process's own, for rank 0 to log; a collective
     if peaks[0] is not None:

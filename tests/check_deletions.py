@@ -1,9 +1,10 @@
 """Delete, one at a time, each line that a script exists to teach, run the tests that should notice, and
 print which deletions they catch. STYLE.md asks for this after any change to a script's strategy lines or
 to the tests: a line is guarded only if deleting it fails a test. Not a test itself (pytest does not
-collect it): it runs parts of the suite once per row below (81), 37 minutes on two cores (71 rows: 63 caught, 8
+collect it): it runs parts of the suite once per row below (84), 37 minutes on two cores (71 rows: 63 caught, 8
 that no test on a CPU can catch, each with its reason; then the 5 rows issue 32 rewrote or added: 5 caught; of
-issue 33's 3, the 2 a CPU can catch: caught; issue 34's 5: caught, 2026-11-26).
+issue 33's 3, the 2 a CPU can catch: caught; issue 34's 5: caught; issue 35's 3 new rows and 5 renamed: caught,
+2026-11-26).
 
     python tests/check_deletions.py [SUBSTRING]   # only the deletions whose line contains SUBSTRING
 
@@ -46,11 +47,11 @@ DELETIONS = [
     ("ddp_torchrun.py", "val_set = Subset(val_set, range(rank, len(val_set), world_size))", None,
      "speed only: every rank evaluates every sequence, and the all-reduced sums and counts double alike"),
     ("ddp_torchrun.py", "gc.collect()", None,
-     "rare: it avoids an abort at exit seen in 5 of 40 runs (README, troubleshooting); one run seldom shows it"),
+     "rare: it avoids an abort at exit seen in 5 of 40 runs; one run seldom shows it"),
     ("single_gpu.py", "sampler.generator.manual_seed(args.seed + step // steps_per_epoch)", None, TRAINING),
-    ("single_gpu.py", "diverged(step, \"the weights are no longer finite\")", None,
+    ("single_gpu.py", "exit_diverged(step, \"the weights are no longer finite\")", None,
      f"{BAD_INPUT}::test_weights_that_blow_up_are_never_checkpointed"),
-    ("single_gpu.py", "diverged(step, f\"the loss is {train_loss}\")", None,
+    ("single_gpu.py", "exit_diverged(step, f\"the loss is {train_loss}\")", None,
      f"{BAD_INPUT}::test_diverging_run_stops_and_keeps_the_last_checkpoint"),
     ("single_gpu.py", "saved.update({key: value for key, value in group.items() if key != \"params\"})", None,
      f"{TRAINING}::test_resumed_optimizer_runs_this_devices_kernel"),
@@ -138,13 +139,13 @@ DELETIONS = [
      f"{FAILURES}::test_out_of_memory_on_one_rank_ends_every_process_in_one_line"),
     ("ddp_torchrun.py", "stop = stop_requested(received, stop_group) if step < args.max_steps else 0", None,
      "not on a CPU: the stop check's place before the logging step matters where the loss's .item() waits for NCCL"),
-    ("single_gpu.py", "out_of_memory(error, f\"evaluation at step {step}\"", "raise",
+    ("single_gpu.py", "exit_if_out_of_memory(error, f\"evaluation at step {step}\"", "raise",
      f"{FAILURES}::test_out_of_memory_in_evaluation_ends_in_one_line"),
     ("single_gpu.py", "os.remove(path + \".tmp\")", None,
      f"{FAILURES}::test_full_disk_at_the_second_save_ends_in_one_line_and_keeps_the_first"),
     ("fsdp.py", "if dist.get_rank() == 0:  # the partial directory would hold the space", "if False:",
      f"{FAILURES}::test_full_disk_at_the_second_save_ends_in_one_line_and_keeps_the_first"),
-    ("pipeline.py", "out_of_memory(error, f\"step {step + 1}\", args.batch_size // args.grad_accum, args, device)",
+    ("pipeline.py", "exit_if_out_of_memory(error, f\"step {step + 1}\", per_process_batch_size, args, device)",
      "raise", f"{FAILURES}::test_out_of_memory_in_a_pipeline_stages_backward_ends_in_one_line"),
     # Issue 31's faults on one rank, and the precision of fsdp.py's gradient reduction (both fully_shard calls).
     ("fsdp.py", "dist.all_reduce(finite, dist.ReduceOp.MIN)", None,
@@ -168,11 +169,18 @@ DELETIONS = [
     ("single_gpu.py", "profile_memory=True, record_shapes=True, with_stack=True)", ")",
      f"{SPEED}::test_profile_writes_a_trace_per_process"),
     ("ddp_torchrun.py", "    log_placement(device)", None, f"{TRAINING}::test_rank_0_logs_where_every_rank_runs"),
+    # Issue 35: lines that every script now shares, and ddp_spawn.py's processes given torchrun's environment.
+    ("ddp_spawn.py", "os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc))", None,
+     f"{TRAINING}::test_rank_0_logs_where_every_rank_runs[ddp_spawn.py]"),
+    ("ddp_torchrun.py", "if writer is None:  # every rank but 0, which alone writes", "if False:",
+     f"{TRAINING}::test_trains_logs_and_checkpoints[ddp_torchrun.py]"),
+    ("ddp_torchrun.py", "if not any(isinstance(e, torch.cuda.OutOfMemoryError) for e in causes(error)):", "if False:",
+     f"{FAILURES}::test_out_of_memory_on_one_rank_ends_every_process_in_one_line[ddp_torchrun.py-False]"),
     # The copies: a line deleted from them changes their diff against single_gpu.py or ddp_torchrun.py, whose
     # sizes tests/test_structure.py knows exactly; their behaviour is tested on the scripts above.
     ("ddp_spawn.py", "dist.barrier()", None, "tests/test_structure.py"),
     ("ddp_spawn.py", "fail(f\"ranks resumed at different steps", None, "tests/test_structure.py"),
-    ("dataparallel.py", "diverged(step, \"the weights are no longer finite\")", None, "tests/test_structure.py"),
+    ("dataparallel.py", "exit_diverged(step, \"the weights are no longer finite\")", None, "tests/test_structure.py"),
     ("dataparallel.py", "dp_model = nn.DataParallel(model) if device.type == \"cuda\" else model", "dp_model = model",
      ("not on a CPU, where dataparallel.py runs without it; on 2 GPUs or more, tests/test_gpu.py's "
      "test_on_several_gpus_ends_near_single_gpus_weights[dataparallel.py] runs the wrapper")),

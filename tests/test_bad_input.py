@@ -230,7 +230,7 @@ def test_compile_refused_under_dataparallel_on_several_gpus(tmp_path):
     result = run_command(command("dataparallel.py") + [*TINY, "--compile", "--log-dir", str(tmp_path)], env=env, timeout=30)
     assert result.returncode != 0
     assert result.output.strip() == ("dataparallel.py: error: --compile does not work with nn.DataParallel on several "
-                                     "GPUs: use ddp_torchrun.py, or one GPU"), result.output
+                                     "GPUs: use DistributedDataParallel (a process per GPU), or one GPU"), result.output
 
 
 @pytest.mark.parametrize("script", TORCHRUN)
@@ -243,7 +243,7 @@ def test_more_processes_than_gpus_is_refused(script, tmp_path):
                          env=env, timeout=30)
     assert result.returncode != 0
     assert result.output.strip() == (f"{script}: error: local rank 3 has no GPU: this node has 2; start at most that "
-                                     f"many processes per node (--nproc_per_node)"), result.output
+                                     f"many per node (--nproc_per_node)"), result.output
 
 
 @pytest.mark.parametrize("script", TORCHRUN)
@@ -275,7 +275,7 @@ def test_one_gpu_per_process_is_used_whatever_its_local_rank(script, monkeypatch
         with pytest.raises(SystemExit) as stop:
             module.setup(args)
         assert stop.value.code == (f"{script}: error: local rank 3 has no GPU: this node has 1; start at most that "
-                                   "many processes per node (--nproc_per_node)")
+                                   "many per node (--nproc_per_node)")
 
 
 def readme_floors():

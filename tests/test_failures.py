@@ -139,7 +139,7 @@ def test_out_of_memory_figures_and_advice(monkeypatch):
         args = type("Args", (), {"grad_accum": 4, "batch_size": 4 * micro_batch, "schedule": schedule,
                                  "stages_per_process": 1, "memory_snapshot": None})
         with pytest.raises(SystemExit) as exit:
-            import_script(script).out_of_memory(error, "step 5", micro_batch, args, torch.device("cuda", 0))
+            import_script(script).exit_if_out_of_memory(error, "step 5", micro_batch, args, torch.device("cuda", 0))
         lines[script, schedule] = str(exit.value)
     figures = ": a peak of 52.00 GiB allocated, 60.00 GiB reserved, of 80.0 GiB on cuda:0: "
     assert lines["ddp_torchrun.py", None] == (

@@ -151,7 +151,7 @@ def test_checkpoints_move_to_and_from_single_gpu(trained, halfway, first, second
     result = run(second, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / second)
     assert result.returncode == 0, result.output
     if second == "pipeline.py" and convert is None:
-        assert f"reading {whole}, the checkpoint of another script" in result.output, result.output
+        assert f"reading {whole}, the whole model in one file" in result.output, result.output
         whole.unlink()  # the one that pipeline.py resumed from; its own is the later
     assert f"at step {HALF}" in result.output, result.output
     got, expected = load(ckpt_dir), load(trained["single_gpu.py"].ckpt_dir)
@@ -221,7 +221,8 @@ def test_more_stages_than_blocks_is_refused(nproc, per_process):
 
 def test_1f1b_needs_a_micro_batch_per_stage():
     fails_cleanly("pipeline.py", ["--grad-accum", 1, "--batch-size", 8],
-                  "--schedule 1f1b needs at least as many micro-batches as processes: --grad-accum 1 is fewer than 2")
+                  "--schedule 1f1b cannot run 1 micro-batches on 2 stages: Number of microbatches (1) must be greater than or equal "
+                  "to the number of stages (2).")
 
 
 def test_gpipe_runs_one_micro_batch(tmp_path):

@@ -289,7 +289,8 @@ def test_fsdp_says_what_it_shards_of_a_model_without_blocks(tmp_path):
     result, _tb = train(path, tmp_path, "--compile", steps=4)
     parameters = sum(p.numel() for p in import_script(str(path)).ResNet(4, 8).parameters())
     line = (f"the model has no blocks: FSDP shards it as one unit, which every rank gathers whole "
-            f"({parameters * 4 / 2**20:,.1f} MiB) for each forward and backward (see README) "
+            f"({parameters * 4 / 2**20:,.1f} MiB) for each forward and backward: a ModuleList or ModuleDict "
+            f"named blocks would be sharded block by block "
             f"| --compile compiles each block: nothing compiled\n")
     assert line in result.output, result.output
 
@@ -297,13 +298,13 @@ def test_fsdp_says_what_it_shards_of_a_model_without_blocks(tmp_path):
 @pytest.mark.parametrize("change, message", [
     # torchvision's ResNet as it is: no pieces
     ("ResNet(**config)", ("pipeline.py runs a model as embed(), the modules of a ModuleDict named blocks, then output(): "
-                         "ResNet lacks some of them (see README)")),
+                         "ResNet lacks some of them")),
     # a forward() that does more than the pieces: here, a dropout only it runs
     ("Dropped(ResNet(**config))", ("forward() does not run as embed(), the blocks in order, then output(): "
-                                  "pipeline.py, which runs those, would train another model (see README)")),
+                                  "pipeline.py, which runs those, would train another model")),
     # the head registered before the blocks: the first stage would keep it, the last would lack it
     ("HeadFirst(ResNet(**config))", ("embed() must run only modules registered before blocks, output() only those "
-                                    "after (see README)")),
+                                    "after: the first stage holds the former, the last the latter")),
 ])
 def test_pipeline_refuses_a_model_whose_pieces_are_not_its_forward(change, message, tmp_path):
     variants = '''
