@@ -1,181 +1,122 @@
-"""Train a small GPT with nn.DataParallel: one process splits each batch across every visible GPU.
+"""Train a small GPT with nn.DataParallel: one process splits each batch across every GPU.
 
-Legacy: prefer DDP. One process drives all GPUs from Python threads that share one GIL, and every
-step it copies the weights out from GPU 0 and gathers all outputs back onto it. No GPU: plain CPU.
+Legacy: prefer DDP. One process drives every GPU from threads that share one GIL, and each step
+copies the weights out from GPU 0 and gathers the outputs back on it. No GPU: the CPU alone.
 
-    python dataparallel.py               # every visible GPU, or the CPU
-    tensorboard --logdir runs            # loss, accuracy, learning rate and throughput
+    python dataparallel.py                        # every visible GPU, or the CPU
+    tensorboard --logdir runs                     # loss, accuracy, learning rate, throughput
 
---data FILE trains a byte-level model of any text file, --ckpt-dir DIR checkpoints (run again to
-resume), --d-model, --n-layers, --n-heads and --seq-len scale the model; --help lists every flag.
+--d-model, --n-layers, --n-heads and --seq-len scale the model; --help lists every flag.
 """
 
 import argparse
 import contextlib
-import copy
-import datetime
+import functools
 import glob
 import itertools
 import logging
 import math
 import os
-import re
+import shutil
 import signal
-import socket
 import sys
-import tempfile
 import time
+import warnings
 import zlib
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 
 import torch
-
-MIN_TORCH = "2.4"  # the oldest release this script has run on
-if torch.__version__ < MIN_TORCH:  # compared as versions; checked before the imports below, which an older torch may lack
-    sys.exit(f"{os.path.basename(__file__)}: error: this script needs torch {MIN_TORCH} or newer, found {torch.__version__}")
-
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, Subset
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
-# The signals that make a run save a checkpoint, then stop (catch_stop_signals). Windows has no SIGUSR1.
-STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's notice: save, then stop
 
 
 # -- configuration ------------------------------------------------------------
 
-
 def fail(message):
-    """Exit with a one-line error and no traceback: bad input is for the user to fix. Such a failure would recur, so
-    under torchrun with restarts left it also stops torchrun, which then ends the job instead of restarting it."""
-    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))  # torchrun sets both in each process it starts
-    restarts_left -= int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts_left > 0 and os.getppid() != 1:  # torchrun is this process's parent, unless it has died
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun passes its stop on to every process: this one ends anyway
-        os.kill(os.getppid(), signal.SIGTERM)  # torchrun restarts failed processes, but a signal to it ends the job
+    """Exit with a one-line error and no traceback: bad input is for the user to fix."""
     sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
-
-def causes(error):
-    """`error`, then the errors it was raised from or while handling: torch often reports a failure as another."""
-    while error is not None:
-        yield error
-        error = error.__cause__ or error.__context__
-
-
-def one_line(error):
-    """The first line of what went wrong."""
-    return (str(error).strip() or type(error).__name__).splitlines()[0]
-
+def number(kind, positive=True):
+    """An argparse type: a finite number of `kind`, above zero (positive=False: zero or more)."""
+    def parse(text):
+        value = kind(text)
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"{text} is not {'>' if positive else '>='} 0")
+        return value
+    parse.__name__ = kind.__name__  # argparse's "invalid int value"
+    return parse
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=32, help="global batch: samples per optimizer step")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps to train for")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--warmup-steps", type=int, default=30, help="steps of linear learning-rate warmup")
-    parser.add_argument("--lr-decay-steps", type=int, help="cosine decay ends here (default: --max-steps)")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm; 0 turns clipping off")
-    parser.add_argument("--log-every", type=int, default=10, help="steps between console and TensorBoard logs")
-    parser.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
-    parser.add_argument("--eval-batches", type=int, default=20,
-                        help="validation batches of --batch-size samples per pass, the first of the split")
-    parser.add_argument("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]),
-                        help="TensorBoard directory")
-    parser.add_argument("--ckpt-dir", help="keep DIR/checkpoint.pt here and resume from it (default: off)")
-    parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
-    parser.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
-                        help="keep the last K checkpoints, numbered by step (default 1: the latest alone)")
-    parser.add_argument("--sync-checkpoints", action="store_true",
-                        help="write each checkpoint before training goes on (default: in the background, from a copy)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model: slower start, faster steps")
-    parser.add_argument("--profile", action="store_true",
-                        help="trace steps 7 to 9 of this run with torch.profiler: a Chrome trace per process in --log-dir")
-    own_flags = vars(parser.parse_known_args([])[0])  # checked below; the data and model sections check theirs
-    # The data and model sections define their own flags: replace a section, and its flags go with it.
-    add_data_args(parser.add_argument_group("data (the data section's flags)"))
-    add_model_args(parser.add_argument_group("model (the model section's flags)"))
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    flag = parser.add_argument
+    flag("--batch-size", type=number(int), default=32, help="global batch: samples per step")
+    flag("--grad-accum", type=number(int), default=1, help="micro-batches per step")
+    flag("--max-steps", type=number(int), default=300, help="optimizer steps to train")
+    flag("--lr", type=number(float), default=3e-3, help="peak learning rate")
+    flag("--warmup-steps", type=number(int, False), default=30, help="of linear warmup")
+    flag("--lr-decay-steps", type=number(int), help="where cosine decay ends (--max-steps)")
+    flag("--weight-decay", type=number(float, False), default=0.1)
+    flag("--grad-clip", type=number(float, False), default=1.0, help="max gradient norm; 0: off")
+    flag("--log-every", type=number(int), default=10, help="steps between logs")
+    flag("--eval-every", type=number(int), default=100, help="steps between evaluations")
+    flag("--eval-batches", type=number(int), default=20, help="batches per evaluation")
+    flag("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]))
+    flag("--ckpt-dir", help="save checkpoints here, and resume from the newest")
+    flag("--ckpt-every", type=number(int), default=100, help="steps between checkpoints")
+    flag("--keep-checkpoints", type=number(int), default=1, help="how many of the newest to keep")
+    flag("--workers", type=number(int, False), default=0, help="loader processes beside each")
+    flag("--device", choices=["cpu", "cuda"], help="default: cuda if there is one")
+    flag("--seed", type=int, default=0)
+    flag("--compile", action="store_true", help="torch.compile the model")
+    flag("--profile", action="store_true", help="trace steps 7 to 9 into --log-dir")
+    add_data_args(parser.add_argument_group("data"))
+    add_model_args(parser.add_argument_group("model"))
     args = parser.parse_args()
-    zero_or_more = ["warmup_steps", "weight_decay", "grad_clip"]  # 0 turns each off; every other number must be positive
-    for name, value in vars(args).items():  # the seed may be any integer: the rest would fail later, or train nothing
-        if name not in own_flags or type(value) not in (int, float) or name == "seed":
-            continue
-        if not math.isfinite(value) or value < 0 or (value == 0 and name not in zero_or_more):
-            fail(f"--{name.replace('_', '-')} must be {'zero or more' if name in zero_or_more else 'positive'}, got {value}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda, but no CUDA device is available")
-    if args.compile and args.device != "cpu" and torch.cuda.device_count() > 1:  # replicas share the compiled original
-        fail("--compile does not work with nn.DataParallel on several GPUs: use DistributedDataParallel (a process per GPU), or one GPU")
-    for flag, path in [("--log-dir", args.log_dir), ("--ckpt-dir", args.ckpt_dir)]:
-        if path:  # checked now, not at the first checkpoint: the training until then would be lost
-            try:
-                os.makedirs(path, exist_ok=True)
-                tempfile.TemporaryFile(dir=path).close()
-            except OSError as e:
-                fail(f"{flag} {path} is not a directory this process can write to: {e.strerror}")
     args.lr_decay_steps = args.lr_decay_steps or args.max_steps
-    args.memory_snapshot = None  # start_profiler() names one where --profile records a GPU's allocations
     return args
 
 
 # -- data ---------------------------------------------------------------------
 
-
 def add_data_args(parser):
-    parser.add_argument("--data", help="train a byte-level model on this text file (default: built-in data)")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per training sequence")
-    parser.add_argument("--workers", type=int, default=0,
-                        help="processes that load batches beside each training process (default 0: this data is in memory)")
-
+    parser.add_argument("--data", help="a text file to model byte by byte (default: built-in data)")
+    parser.add_argument("--seq-len", type=number(int), default=64, help="tokens per sequence")
 
 def markov_sequences(seq_len, num_tokens=2**18, vocab_size=64, seed=1234):
-    """Sequences from a fixed random Markov chain, num_tokens in all: learnable, and its entropy rate
-    is the lowest loss any model can reach, so the log can show how close training gets."""
-    num_seqs = num_tokens // seq_len
-    if num_seqs < 10:
-        fail(f"--seq-len {seq_len} cuts the built-in data's {num_tokens:,} tokens into fewer than 10 sequences: use --data")
+    """Sequences from a fixed random Markov chain: learnable, and its entropy rate is the lowest
+    loss any model can reach, so the log shows how close training gets."""
     gen = torch.Generator().manual_seed(seed)
-    transitions = torch.softmax(3 * torch.randn(vocab_size, vocab_size, generator=gen, dtype=torch.float64), 1)
+    transitions = torch.randn(vocab_size, vocab_size, generator=gen, dtype=torch.float64)
+    transitions = torch.softmax(3 * transitions, 1)
     stationary = torch.full((vocab_size,), 1 / vocab_size, dtype=torch.float64)
     for _ in range(200):
         stationary = stationary @ transitions
-    entropy_rate = -(stationary[:, None] * transitions * transitions.log()).sum().item()
-    log.info(f"built-in data: a random Markov chain over {vocab_size} tokens; its entropy rate, {entropy_rate:.4f}, "
-             f"is the lowest loss any model can reach")
-    tokens = torch.empty(num_seqs, seq_len + 1, dtype=torch.long)
-    tokens[:, 0] = torch.multinomial(stationary, num_seqs, replacement=True, generator=gen)
+    entropy = -(stationary[:, None] * transitions * transitions.log()).sum().item()
+    log.info(f"built-in data: a Markov chain whose entropy rate, {entropy:.4f}, is the lowest loss")
+    tokens = torch.empty(num_tokens // seq_len, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.multinomial(stationary, len(tokens), replacement=True, generator=gen)
     for t in range(seq_len):
         tokens[:, t + 1] = torch.multinomial(transitions[tokens[:, t]], 1, generator=gen)[:, 0]
     return tokens, vocab_size
 
-
 def text_file_sequences(path, seq_len):
-    """Consecutive chunks of a file's bytes: a byte-level language model with a vocabulary of 256.
-    The file is memory-mapped, not read: its bytes stay in the page cache, one copy for every
-    process on the machine."""
-    if not os.path.isfile(path):
-        fail(f"--data {path}: no such file")
-    size = os.path.getsize(path)
-    num_seqs = (size - 1) // seq_len
-    if num_seqs < 10:
-        fail(f"--data {path} has {size} bytes; --seq-len {seq_len} needs at least {10 * seq_len + 1}")
-    tokens = torch.from_file(path, size=num_seqs * seq_len + 1, dtype=torch.uint8)  # copy-on-write: never changes the file
-    # Chunk i is tokens[i*seq_len : (i+1)*seq_len + 1]: neighbours share one token, the next target.
+    """A file's bytes in chunks, memory-mapped: one copy in the page cache for every process."""
+    num_seqs = (os.path.getsize(path) - 1) // seq_len if os.path.isfile(path) else 0
+    if num_seqs < 1:
+        fail(f"--data {path}: no such file, or not longer than --seq-len {seq_len}")
+    tokens = torch.from_file(path, size=num_seqs * seq_len + 1, dtype=torch.uint8)
     return tokens.as_strided((num_seqs, seq_len + 1), (seq_len, 1)), 256
 
-
 class TokenSequences(Dataset):
-    """Row i of a (sequences, seq_len + 1) tensor of tokens as an (input, target) pair, the target
-    shifted by one token. Rows become int64 only when fetched: a file's bytes stay bytes in memory."""
+    """Row i of a (sequences, seq_len + 1) tensor as an (input, target) pair: the next tokens."""
 
     def __init__(self, tokens):
         self.tokens = tokens
@@ -186,65 +127,37 @@ class TokenSequences(Dataset):
     def __getitem__(self, i):
         return self.tokens[i, :-1].long(), self.tokens[i, 1:].long()
 
-
 def build_datasets(args):
-    """Train and validation sets of (input, target) pairs, the last tenth held out, and what the model
-    section needs to know of the data: here the vocabulary size."""
-    if args.seq_len <= 0:
-        fail(f"--seq-len must be positive, got {args.seq_len}")
+    """Train and validation sets, the last tenth held out, and what the model needs to know."""
     if args.data:
         tokens, vocab_size = text_file_sequences(args.data, args.seq_len)
     else:
         tokens, vocab_size = markov_sequences(args.seq_len)
     dataset = TokenSequences(tokens)
     num_train = len(dataset) - len(dataset) // 10
-    train_set, val_set = Subset(dataset, range(num_train)), Subset(dataset, range(num_train, len(dataset)))
-    return train_set, val_set, {"vocab_size": vocab_size}
-
-
-def make_loader(dataset, batch_size, args, **options):
-    """A DataLoader of the dataset, as this data needs it. With --workers N, N processes fetch and prefetch batches
-    while the training process computes, and stay alive from one epoch to the next: for data that is decoded or
-    read from disk. The built-in data and --data are tensors in memory already, so the default is 0: the training
-    process fetches each batch itself, and nothing is copied between processes."""
-    if args.workers < 0:
-        fail(f"--workers must be zero or more, got {args.workers}")
-    return DataLoader(dataset, batch_size, num_workers=args.workers, persistent_workers=args.workers > 0, **options)
+    val_set = Subset(dataset, range(num_train, len(dataset)))
+    return Subset(dataset, range(num_train)), val_set, {"vocab_size": vocab_size}
 
 
 # -- model --------------------------------------------------------------------
 
-
 def add_model_args(parser):
-    parser.add_argument("--d-model", type=int, default=64, help="width of the model")
-    parser.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
-    parser.add_argument("--n-heads", type=int, default=4, help="attention heads; must divide --d-model")
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int
-    seq_len: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-
+    parser.add_argument("--d-model", type=number(int), default=64, help="width of the model")
+    parser.add_argument("--n-layers", type=number(int), default=2, help="transformer blocks")
+    parser.add_argument("--n-heads", type=number(int), default=4, help="attention heads")
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then an MLP, each added to the residual."""
+    """Pre-norm transformer block: causal self-attention, then an MLP, each added to the stream."""
 
-    def __init__(self, config):
+    def __init__(self, d_model, n_heads):
         super().__init__()
-        self.n_heads = config.n_heads
-        self.attn_norm = nn.LayerNorm(config.d_model)
-        # No bias: a key bias shifts a query's scores all alike, which softmax ignores, so its gradient
-        # is rounding noise that Adam would amplify into steps of full size.
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
-        self.attn_out = nn.Linear(config.d_model, config.d_model)
-        self.mlp_norm = nn.LayerNorm(config.d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(), nn.Linear(4 * config.d_model, config.d_model)
-        )
+        self.n_heads = n_heads
+        self.attn_norm = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)  # a key's bias would only add noise
+        self.attn_out = nn.Linear(d_model, d_model)
+        self.mlp_norm = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                 nn.Linear(4 * d_model, d_model))
 
     def forward(self, x):
         batch, seq_len, d_model = x.shape
@@ -254,22 +167,18 @@ class Block(nn.Module):
         x = x + self.attn_out(attn.transpose(1, 2).reshape(batch, seq_len, d_model))
         return x + self.mlp(self.mlp_norm(x))
 
-
 class GPT(nn.Module):
-    def __init__(self, config):
+    def __init__(self, vocab_size, seq_len, d_model, n_layers, n_heads):
         super().__init__()
-        self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
-        # Blocks by name ("0", "1", ...): FSDP shards them one at a time, a pipeline stage keeps some.
-        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
-        self.norm = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        # Blocks by name ("0", "1", ...): FSDP shards them one by one, a pipeline stage keeps some.
+        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_heads) for i in range(n_layers)})
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
 
     def init_tensor(self, name, value, generator):
-        """Fill `value`, a CPU tensor shaped as the parameter or buffer `name`, with its initial values, drawn from
-        `generator`: weights of Linear and Embedding layers from N(0, 0.02) as in GPT-2, biases 0, LayerNorm's scales
-        1. The scripts call this once per tensor (init_weights): no process need ever hold the whole model."""
+        """Fill `value` with tensor `name`'s initial values, as GPT-2's: N(0, 0.02), biases 0."""
         if isinstance(self.get_submodule(name.rpartition(".")[0]), nn.LayerNorm):
             value.fill_(1.0 if name.endswith("weight") else 0.0)
         elif name.endswith("bias"):
@@ -277,8 +186,7 @@ class GPT(nn.Module):
         else:
             value.normal_(0.0, 0.02, generator=generator)
 
-    # forward() in three parts, the modules registered in the same order: the layers before the blocks, the
-    # blocks, the layers after them. A stage of a pipeline-parallel run calls only the parts it holds.
+    # forward() is embed(), the blocks, output(): a pipeline stage runs the parts it holds.
     def forward(self, tokens):
         x = self.embed(tokens)
         for block in self.blocks.values():
@@ -286,73 +194,66 @@ class GPT(nn.Module):
         return self.output(x)
 
     def embed(self, tokens):
-        return self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok_emb(tokens) + self.pos_emb(positions)
 
     def output(self, x):
         return self.head(self.norm(x))
 
-    def flops_per_token(self):
-        """Training FLOPs per token as the PaLM paper (appendix B) counts them: 6 per weight of a matmul (forward and
-        backward; embeddings are lookups, biases and LayerNorm's scales no matmuls), plus attention's 12 x layers x
-        d_model x seq_len. torch's FlopCounterMode counts the same."""
-        matrices = sum(p.numel() for p in self.parameters() if p.dim() == 2)
-        matmul_weights = matrices - self.tok_emb.weight.numel() - self.pos_emb.weight.numel()
-        return 6 * matmul_weights + 12 * self.config.n_layers * self.config.d_model * self.config.seq_len
-
-
-def build_model(args, data_info):
-    """The model to train, and its configuration: a dict that checkpoints keep and a resumed run must match."""
-    for name in "d_model", "n_layers", "n_heads":
-        if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+def build_model(args, info):
+    """The model, and its configuration: checkpoints keep it, and a resumed run must match it."""
     if args.d_model % args.n_heads:
         fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
-    config = ModelConfig(data_info["vocab_size"], args.seq_len, args.d_model, args.n_layers, args.n_heads)
-    log.info(f"a uniform guess over {config.vocab_size} tokens scores a loss of {math.log(config.vocab_size):.4f}")
-    return GPT(config), asdict(config)
-
+    config = {"vocab_size": info["vocab_size"], "seq_len": args.seq_len, "d_model": args.d_model,
+              "n_layers": args.n_layers, "n_heads": args.n_heads}
+    return GPT(**config), config
 
 def loss_fn(logits, targets, reduction="mean"):
-    """Cross-entropy of each next-token prediction: logits (batch, seq_len, vocab), targets (batch, seq_len)."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
-
-
-def count_correct(logits, targets):
-    """Correct next-token predictions, and predictions made (the terms loss_fn adds up)."""
-    return (logits.argmax(-1) == targets).sum(), targets.numel()
-
-
-def throughput_unit(model, args):
-    """What the step line counts per second: tokens, --seq-len of them per sample, each worth flops_per_token."""
-    return "tokens", args.seq_len, model.flops_per_token()
+    """Cross-entropy of each prediction: logits (..., classes), targets (...)."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction=reduction)
 
 
 # -- setup --------------------------------------------------------------------
 
-
 def setup(args):
-    """Prepare this process to train: pick its device and seed the model's initialisation."""
+    """Pick this process's device."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    # fp32 matmuls on TF32 tensor cores, on GPUs from Ampere on: 495 instead of 67 TFLOP/s on an H100 (its datasheet),
-    # for a 10-bit mantissa that training does not notice. Nothing changes on a CPU.
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.manual_seed(args.seed)
+    torch.set_float32_matmul_precision("high")  # fp32 matmuls on TF32 tensor cores (Ampere on)
+    torch.manual_seed(args.seed)  # a model without init_tensor(), and dropout
     return device
 
+def prepare_model(model, args, device):
+    """Give the model its initial weights, on this device, compiled with --compile (in place: the
+    state dict keeps its names); return it as training runs it."""
+    init_weights(model, args.seed)
+    model.to(device)
+    if args.compile:
+        model.compile()
+    # The strategy: each forward splits the batch across the GPUs, on replicas of GPU 0's weights.
+    return nn.DataParallel(model) if device.type == "cuda" else model
 
-def log_placement(device):
-    """Log one line per host: its ranks and their devices. A GPU is named by the start of its UUID too, which
-    `nvidia-smi -L` prints: CUDA_VISIBLE_DEVICES renumbers the GPUs, it does not."""
-    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None) if device.type == "cuda" else None  # not in 2.4
-    gpu = f" (GPU-{str(uuid)[:8]})" if uuid else ""
-    placements = [(socket.gethostname(), f"rank 0 on {device}{gpu}")]  # this process's, the only one
-    for host in dict.fromkeys(host for host, _ in placements):  # hosts in the order of their first rank
-        log.info(f"{host}: {', '.join(where for on, where in placements if on == host)}")
+@torch.no_grad()
+def init_weights(model, seed):
+    """Draw every tensor's initial values with the model's init_tensor(), from a generator seeded by
+    its name: the same values however processes split the model. Without it: the constructor's."""
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if hasattr(model, "init_tensor"):
+            value = torch.empty(tensor.shape, dtype=tensor.dtype)
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{seed} {name}".encode()))
+            model.init_tensor(name, value, generator)
+            tensor.copy_(value)
 
+def count_flops(args, info, sample):
+    """Training FLOPs per sample, as torch counts them on a copy of the model on the meta device."""
+    with torch.device("meta"):
+        model, _ = build_model(args, info)
+    with FlopCounterMode(display=False) as counter:
+        inputs, targets = (value.to("meta").unsqueeze(0) for value in sample)
+        loss_fn(model(inputs), targets).backward()
+    return counter.get_total_flops()
 
 class SkippingSampler(Sampler):
-    """Another sampler's order, from its `start`-th index on: a resumed run skips what its epoch has already trained on
-    by index, fetching none of it."""
+    """Another sampler's order from index `start`: a resumed run skips what its epoch trained on."""
 
     def __init__(self, sampler):
         self.sampler, self.start = sampler, 0
@@ -363,135 +264,84 @@ class SkippingSampler(Sampler):
     def __len__(self):
         return len(self.sampler) - self.start
 
+def catch_stop_signals():
+    """From here on, a stop signal is noted in the list returned: the loop saves, then stops."""
+    received = []
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda signum, frame: received.append(signum))
+    return received
 
-def peak_flops(device, precision):
-    """The dense peak FLOP/s of a GPU's matrix products in `precision` ("bf16", "fp16", or "tf32": how fp32 products
-    run here, setup turns it on), from NVIDIA's datasheets: what MFU is measured against. None for any other GPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    # (16 bits, TF32): half the datasheets' figures "with sparsity": NVIDIA's A100, H100 (SXM, PCIe, NVL), H200, GH200
-    # (an H100 SXM's compute) and HGX B200 (a B200 at 1,000 W) datasheets. H800 and others: no datasheet figure, no MFU.
-    peaks = {"NVIDIA H100 80GB HBM3": (989e12, 494.5e12), "NVIDIA H100 PCIe": (756e12, 378e12),
-             "NVIDIA H100 NVL": (835e12, 417.5e12), "NVIDIA H200": (989e12, 494.5e12), "NVIDIA B200": (2.25e15, 1.1e15)}
-    families = {"NVIDIA A100": (312e12, 156e12), "NVIDIA GH200": (989e12, 494.5e12)}  # "NVIDIA A100-SXM4-80GB", ...
-    figures = next((figures for prefix, figures in families.items() if name.startswith(prefix)), peaks.get(name))
-    if figures is None:
-        return None
-    peak = figures[{"bf16": 0, "fp16": 0, "tf32": 1}[precision]]
-    log.info(f"MFU: model FLOP/s over the {name}'s dense {precision} peak, {peak / 1e12:g} TFLOP/s")
-    return peak
+def ignore_stop_signals(worker_id):
+    """A loader worker leaves stop signals to the training process, which saves, then ends it."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
+# Dense 16-bit peaks from NVIDIA's datasheets (half their "with sparsity" figures); TF32's is half.
+PEAK_FLOPS = {"A100": 312e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
+              "H200": 989e12, "B200": 2250e12}
 
-@torch.no_grad()
-def init_weights(model, seed):
-    """Give every parameter and buffer its initial values, one whole tensor at a time on the CPU, drawn by the model's
-    init_tensor() from a generator seeded by `seed` and the tensor's name: a tensor starts with the same values
-    however the model is split across processes, whole or in shards. A model without init_tensor() keeps the values
-    its constructor gave it."""
-    if not hasattr(model, "init_tensor"):
-        return
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        value = torch.empty(tensor.shape, dtype=tensor.dtype)
-        model.init_tensor(name, value, torch.Generator().manual_seed(zlib.crc32(f"{seed} {name}".encode())))
-        tensor.copy_(value)
+class Meter:
+    """The step line and its TensorBoard scalars: loss, learning rate, and the speed since the last
+    line in tokens/s, FLOP/s per process and MFU, against the GPU's peak in `precision`."""
 
+    def __init__(self, args, step, sample, flops_per_sample, device, precision):
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        peak = next((peak for name, peak in PEAK_FLOPS.items() if name in gpu), None)
+        self.peak = peak and peak / (2 if precision == "fp32" else 1)  # fp32's matmuls: TF32
+        self.tokens = sample[1].numel()  # a sample's predictions: for the GPT, its tokens
+        self.batch_size, self.flops = args.batch_size, flops_per_sample
+        self.step, self.time = step, time.perf_counter()
 
-def measure_flops(args, data_info, sample):
-    """The training FLOPs of one sample as torch counts them (FlopCounterMode: matmuls, convolutions, attention): one
-    forward and backward of the model built anew on the meta device, which takes no memory and next to no time."""
-    logging.disable(logging.INFO)  # build_model's log lines were printed when it first ran
-    with torch.device("meta"):
-        model, _ = build_model(args, data_info)
-    logging.disable(logging.NOTSET)
-    inputs, targets = (value.to("meta").unsqueeze(0) for value in sample)  # a batch of one
-    with FlopCounterMode(display=False) as counter:
-        loss_fn(model(inputs), targets).backward()
-    return counter.get_total_flops()
-
+    def log(self, step, loss, lr):
+        if not math.isfinite(loss):
+            fail(f"the loss is {loss} at step {step}: training diverged; try a lower --lr")
+        now = time.perf_counter()
+        samples_per_sec = (step - self.step) * self.batch_size / (now - self.time)
+        tokens_per_sec, flops = samples_per_sec * self.tokens, samples_per_sec * self.flops
+        self.step, self.time = step, now
+        mfu = f" | {flops / self.peak:.1%} MFU" if self.peak else ""
+        log.info(f"step {step:>5} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tokens/s"
+                 f" | {flops / 1e12:.3g} TFLOP/s{mfu}")
+        return {"train/loss": loss, "train/lr": lr, "train/tokens_per_sec": tokens_per_sec,
+                "train/tflops_per_process": flops / 1e12}
 
 def write_scalars(writer, scalars, step):
-    """Add each of `scalars`, {tag: number}, to TensorBoard at `step`."""
     for tag, value in scalars.items():
         writer.add_scalar(tag, value, step)
 
-
-def peak_memory(device):
-    """The most memory this process has held so far, in bytes: on a GPU what torch's allocator gave its tensors, on
-    a CPU all the process had resident, torch itself included, as the OS counts it (None on Windows: no `resource`)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    try:
-        import resource  # Unix only
-    except ImportError:
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
-
-
-def used_devices(device):
-    """Every device this one process computes on: each visible GPU, or the CPU."""
-    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if device.type == "cuda" else [device]
-
-
-def catch_stop_signals():
-    """From here on SIGTERM and SIGUSR1 do not end this process: each is noted in the list returned, and the training
-    loop saves a checkpoint at the next step and stops. Schedulers send SIGTERM before they take a machine back (SLURM
-    at the time limit or on preemption, Kubernetes, spot instances), torchrun passes it on to its workers, and SLURM
-    sends SIGUSR1 ahead of the time limit when asked to (#SBATCH --signal=B:USR1@120 asks)."""
-    received = []
-    for stop_signal in STOP_SIGNALS:
-        signal.signal(stop_signal, lambda signum, frame: received.append(signum))
-    return received
-
-
-def ignore_stop_signals(worker_id):
-    """How a loader worker starts: it leaves stop signals to the training process, which saves, then ends it. torch's
-    workers die of a SIGTERM, and torchrun sends one to every process in each worker's group."""
-    for stop_signal in STOP_SIGNALS:
-        signal.signal(stop_signal, signal.SIG_IGN)
-
-
-def stop_requested(received):
-    """The stop signal this process has received (its number), or 0 if none."""
-    return received[0] if received else 0
-
-
-def exit_stopped(signum, step, ckpt_path):
-    """End a run that a stop signal ended, saying where it resumes. Exit status 75 (EX_TEMPFAIL in sysexits.h): not
-    a failure, a job to run again."""
-    log.info(f"step {step:>5} | stopped by {signal.Signals(signum).name}: " +
-             (f"run again to resume from {ckpt_path}" if ckpt_path else "nothing was saved (no --ckpt-dir)"))
-    sys.exit(75)
+def start_profiler(args, rank):
+    """With --profile, a profiler that traces steps 7 to 9, once warm: ui.perfetto.dev opens it."""
+    if not args.profile:
+        return contextlib.nullcontext()
+    trace = os.path.join(args.log_dir, f"trace_rank{rank}.json")
+    return torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3),
+                                  on_trace_ready=lambda prof: prof.export_chrome_trace(trace))
 
 
 # -- training step ------------------------------------------------------------
 
-
-def configure_optimizer(model, args, device):
-    """AdamW with decay on matrices only, and a schedule of linear warmup then cosine decay to lr/10."""
+def configure_optimizer(model, args):
+    """AdamW with decay on matrices only, and linear warmup then cosine decay to lr/10."""
     params = list(model.parameters())
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # biases and norms
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # biases, norms
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
 
     def lr_factor(step):
         if step < args.warmup_steps:
             return (step + 1) / args.warmup_steps
-        progress = min(1.0, (step - args.warmup_steps) / max(1, args.lr_decay_steps - args.warmup_steps))
+        decay_steps = max(1, args.lr_decay_steps - args.warmup_steps)
+        progress = min(1.0, (step - args.warmup_steps) / decay_steps)
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
-
 def train_step(model, optimizer, scheduler, micro_batches, args, device):
     """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor:
-    reading it with .item() would wait for the GPU, so only logging steps do."""
+    reading it (.item()) would wait for the GPU, so only logging steps do."""
     total_loss = torch.zeros((), device=device)
     for micro_step in range(args.grad_accum):
-        inputs, targets = next(micro_batches)
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        inputs, targets = (t.to(device, non_blocking=True) for t in next(micro_batches))
         loss = loss_fn(model(inputs), targets) / args.grad_accum
         loss.backward()
         total_loss += loss.detach()
@@ -502,88 +352,23 @@ def train_step(model, optimizer, scheduler, micro_batches, args, device):
     optimizer.zero_grad(set_to_none=True)
     return total_loss
 
-
-def exit_diverged(step, what):
-    """Stop a run whose numbers have blown up, before it can write them over the last good checkpoint."""
-    fail(f"{what} at step {step}: training diverged and stops, writing no checkpoint; try a lower --lr, or clipping "
-         f"with a lower --grad-clip")
-
-
-def start_profiler(args, step, rank, device):
-    """With --profile, a profiler that traces three steps once the first have compiled, allocated and filled caches;
-    else a context that does nothing."""
-    if not args.profile:
-        return contextlib.nullcontext()
-    if args.max_steps - step < 9:
-        fail(f"--profile traces steps {step + 7} to {step + 9}, but --max-steps {args.max_steps} stops before")
-    trace_path = os.path.join(args.log_dir, f"trace_rank{rank}.json")
-    # Memory too: every allocation and free, each op's input shapes and the Python lines that called it.
-    profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1),
-                                      on_trace_ready=lambda prof: write_profile(prof, trace_path, args),
-                                      profile_memory=True, record_shapes=True, with_stack=True)
-    log.info(f"tracing steps {step + 7} to {step + 9} into {trace_path}, one file per process: open it at "
-             f"https://ui.perfetto.dev or in chrome://tracing")
-    if device.type == "cuda":  # the allocator's history from here on, for a snapshot at the trace's end or out of memory
-        args.memory_snapshot = os.path.join(args.log_dir, f"memory_rank{rank}.pickle")
-        torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)  # private, 2.1 to 2.13
-    return profiler
-
-
-def write_profile(profiler, trace_path, args):
-    """Write the trace of the profiled steps; on a GPU, also the allocator's snapshot, which
-    https://pytorch.org/memory_viz draws: every block over time, each with the Python lines that allocated it."""
-    profiler.export_chrome_trace(trace_path)
-    if args.memory_snapshot:
-        torch.cuda.memory._dump_snapshot(args.memory_snapshot)
-        torch.cuda.memory._record_memory_history(enabled=None)  # the steps after the trace run at full speed
-        log.info(f"wrote {trace_path} and {args.memory_snapshot}")
-
-
-def exit_if_out_of_memory(error, where, micro_batch, args, device):
-    """Exit if running out of memory caused `error`, saying what to change. Nothing changes by itself: a smaller
-    batch would train differently, without a word to the user."""
-    if not any(isinstance(e, torch.cuda.OutOfMemoryError) for e in causes(error)):  # torch may wrap it
-        return
-    devices = used_devices(device)  # every GPU's figures: the replicas on any of them may have run out
-    peak = f"{', '.join(f'{(peak_memory(d) or math.nan) / 2**30:.2f}' for d in devices)} GiB"  # nan on Windows
-    if device.type == "cuda":  # reserved: what the allocator holds, in use or cached; the failed request is not in either
-        total = torch.cuda.get_device_properties(device).total_memory
-        reserved = ", ".join(f"{torch.cuda.max_memory_reserved(d) / 2**30:.2f}" for d in devices)
-        peak += f" allocated, {reserved} GiB reserved"
-    else:  # the machine's memory
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else math.nan
-        peak += " resident"
-    request = re.search(r"Tried to allocate ([\d.]+ \w+)", " ".join(map(str, causes(error))))  # CUDA's words, maybe wrapped
-    factor = min((f for f in range(2, micro_batch + 1) if micro_batch % f == 0), default=None)  # 2 if it is even
-    if factor:
-        advice = (f"--grad-accum {args.grad_accum * factor} trains the same, {args.batch_size} samples a step, on "
-                  f"micro-batches of {micro_batch // factor}")
-    else:
-        advice = "one sample is the smallest micro-batch: the model must take less memory"
-    if args.memory_snapshot:  # --profile on a GPU: what held the memory, and which lines allocated it, up to here
-        torch.cuda.memory._dump_snapshot(args.memory_snapshot)
-        advice = f"{advice}; {args.memory_snapshot} shows what held it (open it at https://pytorch.org/memory_viz)"
-    fail(f"out of memory in {where}, on micro-batches of {micro_batch} samples per process" +
-         (f" (tried to allocate {request[1]})" if request else "") +
-         f": a peak of {peak}, of {total / 2**30:.1f} GiB on {', '.join(map(str, devices))}: "
-         f"{advice}")
+def weights_are_finite(model):
+    return bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
 
 
 # -- evaluation ---------------------------------------------------------------
 
-
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Mean loss and accuracy over every prediction the loader's samples hold."""
+    """Mean loss and accuracy over every prediction in the loader's samples."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct predictions, predictions
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
     for inputs, targets in loader:
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        inputs, targets = (t.to(device, non_blocking=True) for t in (inputs, targets))
         outputs = model(inputs)
-        correct, predictions = count_correct(outputs, targets)
         totals[0] += loss_fn(outputs, targets, reduction="sum")
-        totals[1] += correct
-        totals[2] += predictions
+        totals[1] += (outputs.argmax(-1) == targets).sum()
+        totals[2] += targets.numel()
     model.train()
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count
@@ -591,227 +376,124 @@ def evaluate(model, loader, device):
 
 # -- checkpointing ------------------------------------------------------------
 
+# Without a process group DCP warns that it saves and loads in one process: here, it does.
+warnings.filterwarnings("ignore", "torch.distributed is disabled")
+# AdamW's state and settings under each parameter's name: whichever process holds it, one format.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
-def save_checkpoint(path, model, optimizer, scheduler, step, config, keep, writing, wait):
-    """Copy the training state to host memory and write the copy in a thread while training goes on; or, with
-    `wait`, write the state itself before training goes on. `writing`, the save still in progress, completes first:
-    one at a time. Returns the new save in progress, or None once written. Python waits for the thread as it exits."""
-    wait_for_checkpoint(writing, path)
-    model_state, optimizer_state = get_state_dict(model, optimizer)  # AdamW's state keyed by parameter name, not number
-    state = {"model": model_state, "optimizer": optimizer_state,
-             "scheduler": scheduler.state_dict(), "step": step, "config": config}
-    if not wait:
-        state = host_copy(state)
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # the copies from the GPU have arrived
-    writing = in_background(write_checkpoint, path, state, step, keep)
-    return wait_for_checkpoint(writing, path) if wait else writing
+def save_checkpoint(model, optimizer, others, step, config, args, saving, group=None):
+    """Once `saving`, the save before, is done, copy the training state (the model, the optimizer,
+    and `others`, such as {"scheduler": scheduler}) to host memory and write it in the background to
+    --ckpt-dir/step-N with torch's distributed checkpoint (DCP): a file per process, then .metadata.
+    Returns the new save, a future."""
+    wait_for_checkpoint(saving, args)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=FLAT)
+    state = {"model": model_state, "optimizer": optimizer_state, "step": step, "config": config,
+             **{name: other.state_dict() for name, other in others.items()}}
+    path = os.path.join(args.ckpt_dir, f"step-{step:06d}")
+    return dcp.async_save(state, checkpoint_id=path, process_group=group, no_dist=group is None)
 
+def wait_for_checkpoint(saving, args):
+    """Wait for `saving` (or None) to be written, then keep the newest --keep-checkpoints."""
+    if saving is not None:
+        saving.result()
+        for old in complete_checkpoints(args.ckpt_dir)[:-args.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
 
-def host_copy(value):
-    """`value` with its tensors copied to this process's memory, where training does not change them. A GPU's go
-    to pinned (page-locked) memory, which the GPU copies into while the CPU goes on: the caller waits for the GPU."""
-    if isinstance(value, torch.Tensor):
-        pin = value.device.type == "cuda"
-        return torch.empty(value.shape, dtype=value.dtype, pin_memory=pin).copy_(value, non_blocking=pin)
-    if isinstance(value, dict):
-        copied = copy.copy(value)  # of the same type, with the same attributes: a state dict's _metadata
-        copied.update((key, host_copy(item)) for key, item in value.items())
-        return copied
-    if isinstance(value, (list, tuple)):
-        return type(value)(host_copy(item) for item in value)
-    return value
+def complete_checkpoints(ckpt_dir):
+    """The checkpoints in ckpt_dir that have their .metadata, oldest first: a crash mid-save
+    leaves a directory without it, and the one before as the newest."""
+    done = glob.glob(os.path.join(glob.escape(ckpt_dir), "step-*", ".metadata"))
+    return sorted(os.path.dirname(path) for path in done)
 
-
-def write_checkpoint(path, state, step, keep):
-    """Write to a temporary file, then rename it over the old one: a crash or a kill mid-write leaves the previous
-    checkpoint intact. A failed write removes the partial file, which would hold the space the next try needs. With
-    `keep` above 1, DIR/checkpoint-000100.pt and the like name the last `keep` checkpoints' files."""
-    numbered = f"{path[:-3]}-{step:06d}.pt"  # DIR/checkpoint.pt -> DIR/checkpoint-000100.pt
+def load_checkpoint(path, model, optimizer, others, config):
+    """Load the training state saved at `path` into the model, optimizer and `others`, in place, and
+    return its step."""
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=FLAT)
+    state = {"model": model_state, "optimizer": optimizer_state, "step": 0,
+             "config": dict.fromkeys(config), **{k: x.state_dict() for k, x in others.items()}}
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(numbered)  # this step's, from before a run went back to an earlier checkpoint
-        if keep > 1:
-            os.link(path + ".tmp", numbered)  # a second name of the file: no copy, no space
-        os.replace(path + ".tmp", path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
-        raise
-    history = sorted(glob.glob(glob.escape(path[:-3]) + "-*.pt"), key=lambda old: (os.path.getmtime(old), old))
-    for old in history[:-keep] if keep > 1 else history:  # the oldest written go
-        with contextlib.suppress(OSError):
-            os.remove(old)
-
-
-def in_background(function, *args, **kwargs):
-    """Call function(*args, **kwargs) in a thread of its own, on this thread's GPU if any, and return its future."""
-    gpu = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []  # a new thread's is GPU 0
-    executor = ThreadPoolExecutor(max_workers=1, initializer=torch.cuda.set_device if gpu else None, initargs=gpu)
-    future = executor.submit(function, *args, **kwargs)
-    executor.shutdown(wait=False)  # the thread ends when the function returns
-    return future
-
-
-def wait_for_checkpoint(writing, path):
-    """Wait until `writing`, a save in progress (or None), is complete, and return None. A failed write (a full disk,
-    a quota, a vanished mount) ends the run in one line: the checkpoint before it is whole."""
-    try:
-        if writing is not None:
-            writing.result()
-    except Exception as error:  # noqa: BLE001  torch.save raises RuntimeError, with the OSError as its context
-        fail(f"cannot write checkpoint {path}: {next((e for e in causes(error) if isinstance(e, OSError)), error)}")
-
-
-def load_checkpoint(path, model, optimizer, scheduler, config, device):
-    """Restore the training state in place and return the step to continue from."""
-    try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:  # noqa: BLE001  torch.load of a bad file raises anything from EOFError to KeyError
-        fail(f"cannot read checkpoint {path}: {one_line(e)}")
-    if not isinstance(state, dict) or state.get("config") != config:
-        found = state.get("config") if isinstance(state, dict) else None
-        fail(f"{path} holds a model {found}, this run builds {config}: match the flags or use another --ckpt-dir")
-    # The checkpoint says where training is; this run's flags say how it goes on. The saved groups hold
-    # the --lr and --weight-decay of the run that wrote them, and its device's kernel (fused=False on a CPU).
-    for saved, group in zip(state["optimizer"]["param_groups"], optimizer.param_groups):
-        saved.update({key: value for key, value in group.items() if key != "params"})
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    scheduler.load_state_dict({**state["scheduler"], "base_lrs": scheduler.base_lrs})
-    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base_lr * factor(scheduler.last_epoch)  # this run's schedule where the saved one stood
+        dcp.load({"config": state["config"]}, checkpoint_id=path)  # first: others' tensors misfit
+        if state["config"] != config:
+            raise ValueError(f"it holds a model {state['config']}, this run builds {config}")
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, dcp.CheckpointException) as error:  # noqa: BLE001  DCP's: each process's
+        error = next(iter(error.failures.values()))[0] if hasattr(error, "failures") else error
+        fail(f"cannot resume from {path}: {str(error).strip().splitlines()[0]}")
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"], options=FLAT)
+    for name, other in others.items():
+        other.load_state_dict(state[name])
+    log.info(f"resumed from {path} at step {state['step']}")
     return state["step"]
 
 
 # -- main ---------------------------------------------------------------------
 
-
 def main(args):
     device = setup(args)
-    rank, world_size = 0, 1  # this process's number, and how many processes train together: here one
+    rank, world_size = 0, 1  # this process's number, and how many processes train together
     logging.basicConfig(format="%(message)s", level=logging.INFO, stream=sys.stdout)
-    log_placement(device)
-    if args.batch_size % (world_size * args.grad_accum):  # here, where the world size is known
-        fail(f"--batch-size {args.batch_size} is not divisible by world size {world_size} x --grad-accum {args.grad_accum}")
-    train_set, val_set, data_info = build_datasets(args)
-    steps_per_epoch = len(train_set) // args.batch_size  # full batches only: every step sees --batch-size
-    if steps_per_epoch == 0:
-        fail(f"--batch-size {args.batch_size} is more than the {len(train_set)} training samples")
-    if len(val_set) == 0:
-        fail("the validation set is empty: the data section must hold some samples out")
-    model, config = build_model(args, data_info)
-    unit, units_per_sample, flops_per_unit = throughput_unit(model, args)
-    if flops_per_unit is None:  # the model section does not count them: torch does, once
-        flops_per_unit = measure_flops(args, data_info, train_set[0]) / units_per_sample
-        log.info(f"torch's FlopCounterMode counts {flops_per_unit:,.0f} training FLOPs for each of the {unit}")
-    init_weights(model, args.seed)
-    model.to(device)
-    if args.compile:  # in place: the state dict keeps its keys, and checkpoints stay interchangeable with eager runs
-        model.compile()
-    dp_model = nn.DataParallel(model) if device.type == "cuda" else model  # checkpoints hold model, unwrapped
-    optimizer, scheduler = configure_optimizer(model, args, device)
-    per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # samples in one forward pass
-    num_val = len(val_set)
-    val_set = Subset(val_set, range(min(num_val, args.eval_batches * args.batch_size)))  # the same for any world size
-    log.info(f"device {device} | {sum(p.numel() for p in model.parameters()):,} parameters | {len(train_set)} train "
-             f"samples | {len(val_set)} of {num_val} validation samples per evaluation")
-    log.info(f"global batch {args.batch_size} = {per_process_batch_size} per process x {args.grad_accum} "
-             f"accumulation steps x world size {world_size}, one process driving "
-             f"{torch.cuda.device_count() if device.type == 'cuda' else 0} GPUs")
-
-    step = 0
-    ckpt_path = args.ckpt_dir and os.path.join(args.ckpt_dir, "checkpoint.pt")
-    if ckpt_path and os.path.exists(ckpt_path):
-        step = load_checkpoint(ckpt_path, model, optimizer, scheduler, config, device)
-        log.info(f"resumed from {ckpt_path} at step {step}")
-    if step >= args.max_steps:
-        log.info(f"{ckpt_path} is at step {step}: the run is finished (--max-steps {args.max_steps})")
-        return
-
+    if args.batch_size % (world_size * args.grad_accum):
+        fail(f"--batch-size {args.batch_size} does not divide into {world_size} processes x "
+             f"--grad-accum {args.grad_accum}")
+    per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # one forward pass
+    train_set, val_set, info = build_datasets(args)
+    steps_per_epoch = len(train_set) // args.batch_size  # full batches only
+    if steps_per_epoch == 0 or len(val_set) < world_size:
+        fail(f"{len(train_set)} training and {len(val_set)} validation samples are too few")
+    val_set = Subset(val_set, range(min(len(val_set), args.eval_batches * args.batch_size)))
+    model, config = build_model(args, info)
+    flops_per_sample = count_flops(args, info, train_set[0])
+    train_model = prepare_model(model, args, device)  # evaluation and checkpoints use `model`
+    optimizer, scheduler = configure_optimizer(model, args)
+    others = {"scheduler": scheduler}  # checkpointed beside the model and the optimizer
+    log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters on {device} | global "
+             f"batch {args.batch_size} = {per_process_batch_size} x {args.grad_accum} micro-batches"
+             f" x {world_size} processes")
+    checkpoints = args.ckpt_dir and complete_checkpoints(args.ckpt_dir)  # the newest resumes
+    step = load_checkpoint(checkpoints[-1], model, optimizer, others, config) if checkpoints else 0
     sampler = RandomSampler(train_set, generator=torch.Generator())
-    pin_memory = device.type == "cuda"  # page-locked host memory lets the copy to the GPU run async
-    train_loader = make_loader(train_set, per_process_batch_size, args, sampler=SkippingSampler(sampler),
-                               pin_memory=pin_memory, worker_init_fn=ignore_stop_signals)
-    val_loader = make_loader(val_set, per_process_batch_size, args, pin_memory=pin_memory,
-                             worker_init_fn=ignore_stop_signals)
-    peak = peak_flops(device, "tf32")
-    if peak:
-        peak *= torch.cuda.device_count()  # this one process drives every GPU
-    profiler = start_profiler(args, step, rank, device)
-    start_step, start_time = step, time.perf_counter()
-    last_step, last_time = step, start_time
-    micro_batches = None
-    writing = None  # the checkpoint being written in the background, if any
-    received = catch_stop_signals()  # a stop signal from here on saves a checkpoint first
-    with SummaryWriter(args.log_dir) as writer, profiler:  # closed, and so flushed, on every exit path
+    loader = functools.partial(DataLoader, batch_size=per_process_batch_size,
+                               num_workers=args.workers, persistent_workers=args.workers > 0,
+                               pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)
+    train_loader, val_loader = loader(train_set, sampler=SkippingSampler(sampler)), loader(val_set)
+    meter = Meter(args, step, train_set[0], flops_per_sample / world_size, device, "fp32")
+    meter.peak = meter.peak and meter.peak * torch.cuda.device_count()  # one process, every GPU
+    profiler, received = start_profiler(args, rank), catch_stop_signals()
+    saving = micro_batches = None
+    with SummaryWriter(args.log_dir) as writer, profiler:
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
-                try:
-                    val_loss, val_accuracy = evaluate(dp_model, val_loader, device)
-                except RuntimeError as error:  # on a CPU the OS ends a process that runs out of memory: only a GPU's is here
-                    exit_if_out_of_memory(error, f"evaluation at step {step}", per_process_batch_size, args, device)
-                    raise
-                log.info(f"step {step:>5} | val loss {val_loss:.4f} | val accuracy {val_accuracy:.4f}")
+                val_loss, val_accuracy = evaluate(train_model, val_loader, device)
+                log.info(f"step {step:>5} | val loss {val_loss:.4f} | accuracy {val_accuracy:.4f}")
                 write_scalars(writer, {"val/loss": val_loss, "val/accuracy": val_accuracy}, step)
-            if step == args.max_steps:
+            if step >= args.max_steps:
                 break
             if micro_batches is None or step % steps_per_epoch == 0:
-                sampler.generator.manual_seed(args.seed + step // steps_per_epoch)  # a new order each epoch
-                # A resumed run skips, by index, what its epoch has already trained on: the data order stays the same.
-                train_loader.sampler.start = step % steps_per_epoch * args.grad_accum * per_process_batch_size
+                sampler.generator.manual_seed(args.seed + step // steps_per_epoch)  # epoch's order
+                train_loader.sampler.start = step % steps_per_epoch * args.batch_size // world_size
                 micro_batches = iter(train_loader)
-            try:
-                loss = train_step(dp_model, optimizer, scheduler, micro_batches, args, device)
-            except RuntimeError as error:
-                exit_if_out_of_memory(error, f"step {step + 1}", per_process_batch_size, args, device)
-                raise
+            loss = train_step(train_model, optimizer, scheduler, micro_batches, args, device)
             step += 1
             if args.profile:
                 profiler.step()
-            # Asked before the logging step's wait for the device: where processes train together, one that failed in
-            # this step is seen here, on the CPU.
-            stop = stop_requested(received) if step < args.max_steps else 0  # at the last step: finish
-
+            stop = received[0] if received and step < args.max_steps else 0
             if step % args.log_every == 0 or step == args.max_steps:
-                train_loss = loss.item()  # waits for the device to finish: read before the clock
-                if not math.isfinite(train_loss):
-                    exit_diverged(step, f"the loss is {train_loss}")
-                now = time.perf_counter()
-                units_per_sec = (step - last_step) * args.batch_size * units_per_sample / (now - last_time)
-                elapsed = datetime.timedelta(seconds=round(now - start_time))  # printed as h:mm:ss
-                left = datetime.timedelta(seconds=round((now - start_time) / (step - start_step) * (args.max_steps - step)))
-                flops = units_per_sec * flops_per_unit / world_size  # the model FLOP/s of each process
-                metrics = {"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0],
-                           f"train/{unit}_per_sec": units_per_sec, "train/tflops_per_process": flops / 1e12}
-                if peak:
-                    metrics["train/mfu"] = flops / peak
-                if device.type == "cuda":  # the most that this process's tensors have taken on its GPU so far
-                    metrics["train/peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                log.info(f"step {step:>5} | loss {train_loss:.4f} | lr {metrics['train/lr']:.2e} | "
-                         f"{units_per_sec:,.0f} {unit}/s, {flops / 1e12:.3g} TFLOP/s" +
-                         (f" ({flops / peak:.0%} MFU)" if peak else "") + f" | {elapsed} elapsed, {left} left" +
-                         (f" | {metrics['train/peak_memory_gib']:.2f} GiB peak" if device.type == "cuda" else ""))
-                write_scalars(writer, metrics, step)
-                last_step, last_time = step, now
-            if ckpt_path and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
-                if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # one wait for the device
-                    exit_diverged(step, "the weights are no longer finite")
-                wait = args.sync_checkpoints or step == args.max_steps or stop > 0  # the last is whole before the end
-                writing = save_checkpoint(ckpt_path, model, optimizer, scheduler, step, config, args.keep_checkpoints,
-                                          writing, wait)
-                log.info(f"step {step:>5} | " + (f"saving {ckpt_path} in the background" if writing else f"saved {ckpt_path}"))
+                scalars = meter.log(step, loss.item(), scheduler.get_last_lr()[0])
+                write_scalars(writer, scalars, step)
+            if args.ckpt_dir and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
+                if not weights_are_finite(model):
+                    fail(f"the weights are not finite at step {step}: diverged, and not saved")
+                saving = save_checkpoint(model, optimizer, others, step, config, args, saving)
+                log.info(f"step {step:>5} | saving {args.ckpt_dir}/step-{step:06d}")
             if stop:
-                exit_stopped(stop, step, ckpt_path)
-    peaks = [peak_memory(d) for d in used_devices(device)]  # each GPU's: this one process computes on all of them
-    if peaks[0] is not None:
-        log.info(f"peak memory per {'GPU' if device.type == 'cuda' else 'process'}: {', '.join(f'{peak / 2**30:.2f}' for peak in peaks)} GiB "
-                 f"({'allocated on the GPU' if device.type == 'cuda' else 'resident, torch included'})")
+                wait_for_checkpoint(saving, args)
+                log.info(f"step {step:>5} | stopped by {signal.Signals(stop).name}: "
+                         + ("run again to resume" if args.ckpt_dir else "no --ckpt-dir, not saved"))
+                return 75  # EX_TEMPFAIL: not a failure, a job to run again
+    wait_for_checkpoint(saving, args)
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    sys.exit(main(parse_args()))

@@ -11,7 +11,8 @@
 # --gpus-per-node=8 --cpus-per-task=64 (the task's CPUs are shared by all workers of its node).
 # 120 s before the time limit SLURM sends this script SIGUSR1: the workers save a checkpoint and stop,
 # and the job goes back in the queue (--requeue), to resume from it; its log goes on in the same file.
-# The 120 s must hold the step under way and a save: raise it for a larger model (README, "Launching").
+# The 120 s must hold the step under way, the next (where the ranks stop) and a save: raise it for a larger
+# model (README, "Launching").
 
 usage() {
     cat <<'EOF'
@@ -86,7 +87,7 @@ sent = torch.arange(1024, dtype=torch.float32, device=device) * (1 if rank == 0 
 dist.broadcast(sent, src=0)
 if not torch.equal(sent.cpu(), torch.arange(1024, dtype=torch.float32)):
     errors.append("broadcast from rank 0 arrived changed")
-# The scripts ask whether to stop over a gloo group of their own, beside NCCL on GPUs: gloo must reach every node too.
+# The scripts agree on stops through gloo beside NCCL on GPUs, and save through gloo: it must reach every node too.
 counted = torch.ones(1)
 dist.all_reduce(counted, group=dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60)))
 if counted.item() != world_size:
