@@ -27,8 +27,8 @@ from conftest import ROOT, command, injected, scalars
 CONFIGS = ["single_gpu.py", "ddp_torchrun.py", "ddp_amp.py --precision bf16", "ddp_amp.py --precision fp16", "fsdp.py",
            "fsdp.py --precision bf16", "pipeline.py --schedule gpipe", "pipeline.py --schedule 1f1b"]
 
-# Every process of the run reports its peak memory as it exits (after the script's own exit handlers: atexit
-# runs them last in, first out); the torchrun agent and other helpers run another program and stay silent.
+# Every process of the run reports its peak memory as it exits; the torchrun agent and other helpers run another
+# program and stay silent.
 REPORT_PEAK_MEMORY = """
 import atexit, os, resource, sys
 
@@ -57,10 +57,12 @@ def measure(config, nproc, flags, warmup_logs, directory):
         sys.exit(f"{config} failed:\n{result.stdout}")
     tb = scalars(log_dir)
     figures = {}
-    for tag in ["train/tokens_per_sec", "train/tflops_per_process", "train/mfu"]:
-        if tag in tb:
-            steady = [value for step, value in sorted(tb[tag].items())][warmup_logs:]
-            figures[tag] = statistics.median(steady)
+    for tag in ["train/tokens_per_sec", "train/tflops_per_process"]:
+        steady = [value for step, value in sorted(tb[tag].items())][warmup_logs:]
+        figures[tag] = statistics.median(steady)
+    mfu = [float(m) / 100 for m in re.findall(r"\| ([\d.]+)% MFU$", result.stdout, re.MULTILINE)][warmup_logs:]
+    if mfu:  # in the step lines alone, where the GPU's peak is known
+        figures["mfu"] = statistics.median(mfu)
     peaks = re.findall(r"^PEAK_MEMORY (\w+) (\d+)$", result.stdout, re.MULTILINE)
     figures["memory_kind"] = peaks[0][0] if peaks else "?"
     figures["peak_memory"] = max((int(b) for _, b in peaks), default=float("nan"))
@@ -95,7 +97,7 @@ def main():
 
     print(f"{'config':<40} {'tokens/s':>10} {'TFLOP/s/proc':>13} {'MFU':>6} {'peak memory/proc':>17}")
     for config, results in runs.items():
-        mfu = median(results, "train/mfu")
+        mfu = median(results, "mfu")
         memory = f"{median(results, 'peak_memory') / 2**30:.2f} GiB {results[0]['memory_kind']}"
         print(f"{config:<40} {median(results, 'train/tokens_per_sec'):>10,.0f} "
               f"{median(results, 'train/tflops_per_process'):>13.3g} "

@@ -1,309 +1,188 @@
-"""Bad input ends every script quickly, with a one-line message and a non-zero exit, and never
-touches an existing checkpoint."""
+"""Bad input ends a run with a one-line message and a non-zero exit, on every rank, and never touches an existing
+checkpoint; a run that diverges stops, and saves nothing after the step where it did."""
 
-import hashlib
-import os
 import re
-import shutil
 import sys
 
 import pytest
-import torch
-from torch.torch_version import TorchVersion
 
-from conftest import (DISTRIBUTED, ROOT, SCRIPTS, STEPS, TINY, TINY_BUILT_IN, TORCHRUN, command, fails_cleanly,
-                      import_script, injected, load, run, run_command)
+from conftest import (ROOT, STEPS, TINY, checkpoints, error_lines, fails_cleanly, import_script, injected, load,
+                      resume_in)
 
 
-def refused(script, args, tmp_path, monkeypatch):
-    """The message with which `script` refuses `args`, its checks run in this process: parse_args(), then the data
-    and model sections', in main()'s order. sys.exit's message is the line a run prints before it exits with 1; a
-    subprocess would add seconds of start-up to each check (fails_cleanly's tests hold every script, and every
-    rank, to printing it)."""
+def refused(script, args, message, env=None):
+    """conftest.fails_cleanly, with room for a start-up on shared cores: most refusals come before the first step,
+    and cost only that (seconds; torchrun's more), but a loaded machine takes several times as long."""
+    return fails_cleanly(script, args, message, timeout=180, env=env)
+
+
+# The configuration section is the same code in every script but for each strategy's own flags
+# (tests/test_structure.py counts each diff exactly): single_gpu.py stands for all, ddp_torchrun.py for the
+# distributed flags. argparse says what is wrong with the flag, in its own words.
+@pytest.mark.parametrize("script, args, message", [
+    ("single_gpu.py", ["--batch-size", 0], "argument --batch-size: 0 is not > 0"),  # a positive int
+    ("single_gpu.py", ["--max-steps", 1.5], r"argument --max-steps: invalid \w+ value: '1\.5'"),  # not an int
+    ("single_gpu.py", ["--n-heads", -2], "argument --n-heads: -2 is not > 0"),  # the model section's own
+    ("single_gpu.py", ["--seq-len", 0], "argument --seq-len: 0 is not > 0"),  # the data section's own
+    ("single_gpu.py", ["--lr", -1], "argument --lr: -1 is not > 0"),  # a positive float
+    ("single_gpu.py", ["--lr", "nan"], "argument --lr: nan is not > 0"),
+    ("single_gpu.py", ["--lr", "inf"], "argument --lr: inf is not > 0"),
+    ("single_gpu.py", ["--warmup-steps", -1], "argument --warmup-steps: -1 is not >= 0"),  # zero or more
+    ("single_gpu.py", ["--grad-clip", -1], "argument --grad-clip: -1 is not >= 0"),
+    ("single_gpu.py", ["--device", "tpu"], r"argument --device: invalid choice: 'tpu' \(choose from .*\)"),  # a choice
+    ("ddp_torchrun.py", ["--timeout", 0], "argument --timeout: 0 is not > 0"),  # zero would give up at once
+    ("ddp_torchrun.py", ["--timeout", "inf"], "argument --timeout: inf is not > 0"),  # overflows a timedelta
+])
+def test_bad_flags_are_refused_by_argparse(script, args, message, monkeypatch, capsys):
+    """parse_args() in this process: a subprocess would add seconds of start-up to each (the next test runs one)."""
     module = import_script(script)
-    monkeypatch.setattr(sys, "argv", [script, *TINY, "--log-dir", str(tmp_path), *map(str, args)])
+    monkeypatch.setattr(sys, "argv", [script, *TINY, *map(str, args)])
     with pytest.raises(SystemExit) as stop:
-        parsed = module.parse_args()
-        train_set, _val_set, data_info = module.build_datasets(parsed)
-        module.build_model(parsed, data_info)
-        module.make_loader(train_set, parsed.batch_size, parsed)
+        module.parse_args()
+    assert stop.value.code == 2
+    lines = error_lines(script, capsys.readouterr().err)
+    assert len(lines) == 1 and re.fullmatch(rf"{re.escape(script)}: error: {message}", lines[0]), lines
+
+
+def test_a_bad_flag_ends_the_process_with_argparses_line():
+    result = refused("single_gpu.py", ["--lr", -1], "argument --lr: -1 is not > 0")
+    assert result.returncode == 2 and "step " not in result.output, result.output
+
+
+def section_refuses(args, build, monkeypatch):
+    """The line with which single_gpu.py's data or model section, `build`(module, parsed args), ends the run given
+    `args`: called in this process, as main() calls it (the sections are every script's: tests/test_structure.py)."""
+    module = import_script("single_gpu.py")
+    monkeypatch.setattr(sys, "argv", ["single_gpu.py", *TINY, *map(str, args)])
+    with pytest.raises(SystemExit) as stop:
+        build(module, module.parse_args())
     return stop.value.code
 
 
-# Every script, each of whose processes must stop with the line.
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_batch_size_must_be_positive(script):
-    fails_cleanly(script, ["--batch-size", -8], "--batch-size must be positive, got -8")
+def test_heads_must_divide_the_width(monkeypatch):
+    message = section_refuses(["--n-heads", 3], lambda module, args: module.build_model(args, {"vocab_size": 256}),
+                              monkeypatch)
+    assert message == "single_gpu.py: error: --n-heads 3 does not divide --d-model 32"
 
 
-# Every number that torch or the arithmetic would reject, or that would silently train nothing. The check is the
-# same code in every script, as the test above shows; the data and model sections check their own flags.
-@pytest.mark.parametrize("script, flag, value, message", [
-    ("single_gpu.py", "--batch-size", 0, "--batch-size must be positive, got 0"),
-    ("single_gpu.py", "--lr", -1, "--lr must be positive, got -1.0"),
-    ("single_gpu.py", "--lr", "nan", "--lr must be positive, got nan"),
-    ("single_gpu.py", "--lr", 0, "--lr must be positive, got 0.0"),
-    ("single_gpu.py", "--weight-decay", -0.1, "--weight-decay must be zero or more, got -0.1"),
-    ("single_gpu.py", "--grad-clip", -1, "--grad-clip must be zero or more, got -1.0"),
-    ("single_gpu.py", "--warmup-steps", -1, "--warmup-steps must be zero or more, got -1"),
-    ("single_gpu.py", "--lr-decay-steps", 0, "--lr-decay-steps must be positive, got 0"),
-    ("single_gpu.py", "--eval-batches", 0, "--eval-batches must be positive, got 0"),
-    # Zero would not mean "no timeout": every connection would give up at once; infinity overflows a timedelta.
-    *[(script, "--timeout", 0, "--timeout must be positive, got 0.0") for script in DISTRIBUTED],
-    ("ddp_spawn.py", "--timeout", "inf", "--timeout must be positive, got inf"),
-    ("single_gpu.py", "--seq-len", 0, "--seq-len must be positive, got 0"),
-    ("single_gpu.py", "--workers", -1, "--workers must be zero or more, got -1"),
-    ("single_gpu.py", "--n-layers", 0, "--n-layers must be positive, got 0"),
-    ("single_gpu.py", "--n-heads", -2, "--n-heads must be positive, got -2"),
+# Each rank of ddp_torchrun.py checks, and all must stop (ddp_spawn.py, ddp_amp.py and fsdp.py share its line);
+# pipeline.py's processes hold stages, not samples: it cuts the batch into micro-batches alone, as single_gpu.py.
+@pytest.mark.parametrize("script, batch, message", [
+    ("single_gpu.py", 7, "--batch-size 7 does not divide into 1 processes x --grad-accum 2"),
+    ("ddp_torchrun.py", 6, "--batch-size 6 does not divide into 2 processes x --grad-accum 2"),
+    ("pipeline.py", 7, "--batch-size 7 does not divide into --grad-accum 2"),
 ])
-def test_numbers_out_of_range(script, flag, value, message, tmp_path, monkeypatch):
-    assert refused(script, [flag, value], tmp_path, monkeypatch) == f"{script}: error: {message}"
+def test_batch_size_must_split_evenly(script, batch, message):
+    refused(script, ["--batch-size", batch], message)
 
 
-# Where the check is code every script shares, single_gpu.py and ddp_torchrun.py (each of its ranks checks,
-# and all must stop) stand for the others.
-ONE_AND_DDP = ["single_gpu.py", "ddp_torchrun.py"]
+def test_fsdp_replicas_must_divide_the_processes():
+    refused("fsdp.py", ["--replicate", 3], "--replicate 3 does not divide 2 processes evenly")
 
 
-@pytest.mark.parametrize("script", ONE_AND_DDP)
-def test_sequences_longer_than_the_built_in_data(script):
-    # The built-in data has 262,144 tokens at any --seq-len: 100,000 would make 2 sequences. Refused at
-    # once, not after generating them (which took minutes when the data was sized by sequences).
-    fails_cleanly(script, ["--seq-len", 100_000], "--seq-len 100000 cuts the built-in data's 262,144 tokens into "
-                  "fewer than 10 sequences", flags=TINY_BUILT_IN)
+def test_too_few_samples(tmp_path):
+    # tiny.txt's 45 training sequences make no batch of 64; 10 sequences leave 1 to validate on, and 2 ranks.
+    refused("single_gpu.py", ["--batch-size", 64], "45 training and 5 validation samples are too few")
+    data = tmp_path / "ten.txt"
+    data.write_bytes((ROOT / "tests" / "tiny.txt").read_bytes()[:10 * 16 + 1])
+    refused("ddp_torchrun.py", ["--data", data], "9 training and 1 validation samples are too few")
 
 
-@pytest.mark.parametrize("script", ONE_AND_DDP)
-def test_checkpoint_directory_that_is_a_file_is_refused_before_training(script, tmp_path):
-    path = tmp_path / "ckpt"
-    path.write_text("a file, not a directory")
-    result = fails_cleanly(script, ["--ckpt-dir", path, "--log-dir", tmp_path / "tb"],
-                           f"--ckpt-dir {path} is not a directory this process can write to: File exists")
-    assert "step " not in result.output, "trained before refusing"
-    assert path.read_text() == "a file, not a directory"
+@pytest.mark.parametrize("size", [None, 16])  # none; as long as --seq-len 16, and no next byte to predict
+def test_missing_or_short_data_file(size, tmp_path, monkeypatch):
+    path = tmp_path / "data.txt"
+    if size is not None:
+        path.write_bytes(b"x" * size)
+    message = section_refuses(["--data", path], lambda module, args: module.build_datasets(args), monkeypatch)
+    assert message == f"single_gpu.py: error: --data {path}: no such file, or not longer than --seq-len 16"
 
 
-def test_checkpoint_directory_that_cannot_be_written_is_refused(tmp_path):
-    """A directory that exists but takes no files: read-only to this user, or, for root (whom permissions do
-    not stop), a read-only filesystem mounted over it in a mount namespace of the run's own."""
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    command = [sys.executable, str(ROOT / "single_gpu.py"), *TINY, "--ckpt-dir", str(ckpt), "--log-dir", str(tmp_path)]
-    if os.geteuid() != 0:
-        ckpt.chmod(0o555)
-    elif shutil.which("unshare") and run_command(["unshare", "--mount", "true"], timeout=30).returncode == 0:
-        command = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o ro tmpfs "$1" && shift && exec "$@"', "sh",
-                   str(ckpt), *command]
-    else:
-        pytest.skip("root, and no mount namespace (unshare --mount) to make a read-only directory in")
-    result = run_command(command, timeout=30)
-    assert result.returncode == 1, result.output
-    assert result.output.strip().splitlines()[-1].startswith(
-        f"single_gpu.py: error: --ckpt-dir {ckpt} is not a directory this process can write to: "), result.output
-    assert "step " not in result.output
+def files(directory):
+    """{path: bytes} of every file under `directory`."""
+    return {path: path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
 
 
-def test_log_directory_that_is_a_file_is_refused(tmp_path):
-    (tmp_path / "tb").write_text("")
-    fails_cleanly("single_gpu.py", ["--log-dir", tmp_path / "tb"],
-                  f"--log-dir {tmp_path / 'tb'} is not a directory this process can write to: File exists")
+# A checkpoint is read by the checkpointing section every script shares: single_gpu.py, and fsdp.py's ranks, which
+# each read their shards of it.
+@pytest.mark.parametrize("script", ["single_gpu.py", "fsdp.py"])
+def test_checkpoint_of_another_model_size_is_refused_and_kept(trained, script, tmp_path):
+    ckpt_dir = resume_in(trained["single_gpu.py"], tmp_path / "ckpt")
+    before = files(ckpt_dir)
+    config = "{'vocab_size': 256, 'seq_len': 16, 'd_model': %d, 'n_layers': 2, 'n_heads': 2}"
+    # --d-model 64 after the checkpoint's 32 (argparse keeps the last of a repeated flag).
+    result = refused(script, ["--d-model", 64, "--ckpt-dir", ckpt_dir, "--max-steps", 2 * STEPS],
+                     f"cannot resume from {ckpt_dir}/step-{STEPS:06d}: it holds a model {config % 32}, this run "
+                     f"builds {config % 64}")
+    assert "step " not in result.output, result.output
+    assert files(ckpt_dir) == before
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_batch_size_must_split_evenly(script):
-    # 6 sequences split into 2 micro-batches in one process, but not into 2 x 2 with two. pipeline.py's processes
-    # hold stages, not samples: it cuts the batch into micro-batches only, as single_gpu.py does.
-    batch = 6 if script in DISTRIBUTED and script != "pipeline.py" else 7
-    fails_cleanly(script, ["--batch-size", batch], f"--batch-size {batch} is not divisible by")
+@pytest.mark.parametrize("script", ["single_gpu.py", "fsdp.py"])
+def test_corrupt_checkpoint_is_refused_and_kept(trained, script, tmp_path):
+    # What a disk that lost the end of a file leaves: DCP's .metadata, and the first half of the data.
+    ckpt_dir = resume_in(trained["single_gpu.py"], tmp_path / "ckpt")
+    data = ckpt_dir / f"step-{STEPS:06d}" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
+    before = files(ckpt_dir)
+    result = refused(script, ["--ckpt-dir", ckpt_dir, "--max-steps", 2 * STEPS],
+                     f"cannot resume from {ckpt_dir}/step-{STEPS:06d}: ")
+    assert "step " not in result.output, result.output
+    assert files(ckpt_dir) == before
 
 
-@pytest.mark.parametrize("script", ONE_AND_DDP)  # the data section is every script's (tests/test_structure.py)
-def test_missing_data_file(script, tmp_path):
-    fails_cleanly(script, ["--data", tmp_path / "missing.txt", "--log-dir", tmp_path], "no such file")
+# After its POISON_AFTER-th optimizer step, a process (of rank POISON_RANK, if set) sets the first weights it holds to
+# NaN: the token embedding, which every input reads; a shard of it (fsdp.py); a stage's first (pipeline.py).
+POISON = """import os, torch
+step, steps_taken = torch.optim.AdamW.step, []
+
+def poisoning_step(self, *args, **kwargs):
+    result = step(self, *args, **kwargs)
+    steps_taken.append(None)
+    rank = os.environ.get("POISON_RANK")
+    if len(steps_taken) == int(os.environ["POISON_AFTER"]) and rank in (None, os.environ.get("RANK", "0")):
+        weights = self.param_groups[0]["params"][0]
+        with torch.no_grad():
+            (weights.to_local() if hasattr(weights, "to_local") else weights).fill_(float("nan"))
+    return result
+
+torch.optim.AdamW.step = poisoning_step
+"""
 
 
-@pytest.mark.parametrize("script", ONE_AND_DDP)  # the data section is every script's (tests/test_structure.py)
-def test_empty_data_file(script, tmp_path):
-    (tmp_path / "empty.txt").write_bytes(b"")
-    fails_cleanly(script, ["--data", tmp_path / "empty.txt", "--log-dir", tmp_path], "has 0 bytes")
+def poisoned(tmp_path, after, rank=None):
+    env = {**injected(tmp_path, POISON), "POISON_AFTER": str(after)}
+    return env if rank is None else {**env, "POISON_RANK": str(rank)}
 
 
-def digest(path):
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def saved_nothing_from(ckpt_dir, step, written):
+    """The checkpoints a run left that stopped at `step`: that of step `written`, which a later save waited for, and
+    none of `step` or later; every complete one holds finite weights."""
+    assert ckpt_dir / f"step-{written:06d}" in checkpoints(ckpt_dir)
+    assert not any(int(path.name[5:]) >= step for path in ckpt_dir.glob("step-*")), list(ckpt_dir.iterdir())
+    for path in checkpoints(ckpt_dir):
+        assert all(weights.isfinite().all() for weights in load(path)["model"].values()), path
 
 
-# A script for each checkpointing section: single_gpu.py's, which dataparallel.py and ddp_spawn.py share
-# (tests/test_structure.py), ddp_torchrun.py's ranks, ddp_amp.py's with its scaler, and fsdp.py's and pipeline.py's
-# (the same section, reading a checkpoint.pt on every rank).
-READERS = ["single_gpu.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py"]
+# Saves at 2 and 4; the weights turn NaN in step 5, so step 6's loss, the first logged after, is NaN. In
+# ddp_torchrun.py rank 0's alone: the loss logged is every rank's, so both stop.
+@pytest.mark.parametrize("script", ["single_gpu.py", "ddp_torchrun.py"])
+def test_a_loss_that_turns_nan_stops_the_run_without_saving(script, tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    result = refused(script, ["--ckpt-every", 2, "--keep-checkpoints", 5, "--ckpt-dir", ckpt_dir],
+                     "the loss is nan at step 6: training diverged; try a lower --lr",
+                     env=poisoned(tmp_path, 5, rank=0 if script == "ddp_torchrun.py" else None))
+    assert "step     6 | loss" not in result.output, result.output
+    assert len(error_lines(script, result.output)) == (2 if script == "ddp_torchrun.py" else 1), result.output
+    saved_nothing_from(ckpt_dir, 6, written=2)
 
 
-@pytest.mark.parametrize("script", READERS)
-def test_corrupt_checkpoint_is_reported_and_kept(trained, script, tmp_path):
-    # What a crash half-way through a non-atomic write would leave: the first half of the file.
-    good = (trained["single_gpu.py"].ckpt_dir / "checkpoint.pt").read_bytes()
-    ckpt = tmp_path / "checkpoint.pt"
-    ckpt.write_bytes(good[: len(good) // 2])
-    before = digest(ckpt)
-    fails_cleanly(script, ["--ckpt-dir", tmp_path, "--log-dir", tmp_path, "--max-steps", 32],
-                  "cannot read checkpoint")
-    assert digest(ckpt) == before
-
-
-@pytest.mark.parametrize("script", READERS)
-def test_checkpoint_of_another_model_size_is_reported_and_kept(trained, script, tmp_path):
-    ckpt = tmp_path / "checkpoint.pt"
-    shutil.copy(trained["single_gpu.py"].ckpt_dir / "checkpoint.pt", ckpt)
-    before = digest(ckpt)
-    # --d-model 64 after the copied checkpoint's 32 (argparse keeps the last of a repeated flag).
-    fails_cleanly(script, ["--d-model", 64, "--ckpt-dir", tmp_path, "--log-dir", tmp_path, "--max-steps", 32],
-                  "'d_model': 32")
-    assert digest(ckpt) == before
-
-
-@pytest.mark.parametrize("script", ONE_AND_DDP)
-def test_diverging_run_stops_and_keeps_the_last_checkpoint(trained, script, tmp_path):
-    """A run that resumes a good checkpoint with a learning rate that blows up stops at the first logged
-    non-finite loss, names the step and what to try, and leaves the checkpoint as it was. Run again as the
-    message says, with a lower --lr, it resumes from that checkpoint and trains to the end."""
-    ckpt = tmp_path / "checkpoint.pt"
-    shutil.copy(trained["single_gpu.py"].ckpt_dir / "checkpoint.pt", ckpt)
-    before = digest(ckpt)
-    flags = ["--ckpt-dir", tmp_path, "--log-dir", tmp_path / "tb", "--max-steps", 2 * STEPS]
-    result = fails_cleanly(script, ["--lr", 1e6, *flags], "training diverged and stops, writing no checkpoint",
-                           steps=None)
-    assert re.search(r"the loss is (nan|inf) at step \d+: .*; try a lower --lr, or clipping with a lower --grad-clip$",
-                     result.output, re.MULTILINE), result.output
-    assert digest(ckpt) == before
-
-    result = run(script, *TINY, *flags)  # TINY's --lr
-    assert result.returncode == 0, result.output
-    assert f"at step {STEPS}" in result.output and load(tmp_path)["step"] == 2 * STEPS
-
-
-@pytest.mark.parametrize("script", [*ONE_AND_DDP, "fsdp.py"])  # fsdp.py: each rank checks its shards, then all agree
-def test_weights_that_blow_up_are_never_checkpointed(script, tmp_path):
-    """With --lr 1e30 the first step leaves huge but finite weights (checkpointed), and the second
-    non-finite ones: the run stops at that checkpoint, before the loss is next logged (step 3), and keeps
-    step 1's."""
-    fails_cleanly(script, ["--lr", 1e30, "--log-every", 3, "--ckpt-every", 1, "--ckpt-dir", tmp_path,
-                           "--log-dir", tmp_path / "tb"], "the weights are no longer finite at step 2", steps=2)
-    state = load(tmp_path)
-    assert state["step"] == 1
-    assert all(weights.isfinite().all() for weights in state["model"].values())
-
-
-# After its second optimizer step, rank 1 alone finds a NaN in the first weights it holds: a shard, or a stage's.
-ONE_RANKS_NAN = ("import os, torch\n"
-                 "step, steps_taken = torch.optim.AdamW.step, []\n"
-                 "def poisoning_step(self, *args, **kwargs):\n"
-                 "    result = step(self, *args, **kwargs)\n"
-                 "    steps_taken.append(None)\n"
-                 "    if len(steps_taken) == 2 and os.environ.get('RANK') == '1':\n"
-                 "        weights = self.param_groups[0]['params'][0]\n"
-                 "        with torch.no_grad():\n"
-                 "            (weights.to_local() if hasattr(weights, 'to_local') else weights).view(-1)[0] = float('nan')\n"
-                 "    return result\n"
-                 "torch.optim.AdamW.step = poisoning_step\n")
-
-
-@pytest.mark.parametrize("script", ["fsdp.py", "pipeline.py"])  # where each rank holds weights no other rank has
-def test_non_finite_weights_on_one_rank_stop_every_rank(script, tmp_path):
-    """Rank 1's weights turn non-finite while rank 0's stay finite: both ranks stop at the same checkpoint with the
-    same line (each checks its own, then all agree), and step 1's checkpoint stays."""
-    fails_cleanly(script, ["--log-every", 3, "--ckpt-every", 1, "--ckpt-dir", tmp_path], "the weights are no longer "
-                  "finite at step 2", steps=2, code=ONE_RANKS_NAN)
-    state = load(tmp_path)
-    assert state["step"] == 1
-    assert all(weights.isfinite().all() for weights in state["model"].values())
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_profile_needs_nine_steps(script):
-    fails_cleanly(script, ["--profile", "--max-steps", 8], "--profile traces steps 7 to 9, but --max-steps 8 stops before")
-
-
-def test_compile_refused_under_dataparallel_on_several_gpus(tmp_path):
-    """nn.DataParallel's replicas would share the original model's compiled forward, and its weights on GPU 0.
-    Two GPUs are faked: the check comes before anything touches one."""
-    env = injected(tmp_path, "import torch\ntorch.cuda.device_count = lambda: 2\n")
-    result = run_command(command("dataparallel.py") + [*TINY, "--compile", "--log-dir", str(tmp_path)], env=env, timeout=30)
-    assert result.returncode != 0
-    assert result.output.strip() == ("dataparallel.py: error: --compile does not work with nn.DataParallel on several "
-                                     "GPUs: use DistributedDataParallel (a process per GPU), or one GPU"), result.output
-
-
-@pytest.mark.parametrize("script", TORCHRUN)
-def test_more_processes_than_gpus_is_refused(script, tmp_path):
-    """Local rank 3 on a node of two GPUs (faked: nothing touches a GPU before the check) stops with one line, not
-    CUDA's "invalid device ordinal"."""
-    env = {**injected(tmp_path, "import torch\ntorch.cuda.is_available = lambda: True\n"
-                                "torch.cuda.device_count = lambda: 2\n"), "LOCAL_RANK": "3"}
-    result = run_command([sys.executable, str(ROOT / script), *TINY, "--device", "cuda", "--log-dir", str(tmp_path)],
-                         env=env, timeout=30)
-    assert result.returncode != 0
-    assert result.output.strip() == (f"{script}: error: local rank 3 has no GPU: this node has 2; start at most that "
-                                     f"many per node (--nproc_per_node)"), result.output
-
-
-@pytest.mark.parametrize("script", TORCHRUN)
-def test_one_gpu_per_process_is_used_whatever_its_local_rank(script, monkeypatch, tmp_path):
-    """srun --gpus-per-task=1, or a Kubernetes operator, shows each process its own GPU alone and keeps the real
-    LOCAL_RANK: local rank 3 uses the GPU it sees. Under torchrun, or without CUDA_VISIBLE_DEVICES, one GPU for
-    local rank 3 is refused.
-    (Faked in this process: one GPU, and a process group that is not formed.)"""
-    module = import_script(script)
-    used = []
-    for name, value in [("is_available", lambda: True), ("device_count", lambda: 1), ("set_device", lambda d: None),
-                        ("get_device_capability", lambda d: (9, 0))]:
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(module.dist, "init_process_group", lambda *args, **kwargs: used.append(kwargs["device_id"]))
-    monkeypatch.setattr(module.atexit, "register", lambda function: None)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
-    for name, value in [("LOCAL_RANK", "3"), ("RANK", "3"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "localhost"),
-                        ("MASTER_PORT", "0"), ("CUDA_VISIBLE_DEVICES", "GPU-5d2e")]:
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)  # fail() would stop a torchrun that ran pytest
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    monkeypatch.setattr(sys, "argv", [script, "--device", "cuda", "--log-dir", str(tmp_path)])
-    args = module.parse_args()
-    assert module.setup(args) == torch.device("cuda", 0) and used == [torch.device("cuda", 0)]
-    # torchrun's workers share one environment: there, one visible GPU is one GPU for all of them.
-    for torchrun, visible in [("job", "GPU-5d2e"), (None, None)]:
-        for name, value in [("TORCHELASTIC_RUN_ID", torchrun), ("CUDA_VISIBLE_DEVICES", visible)]:
-            monkeypatch.setenv(name, value) if value else monkeypatch.delenv(name, raising=False)
-        with pytest.raises(SystemExit) as stop:
-            module.setup(args)
-        assert stop.value.code == (f"{script}: error: local rank 3 has no GPU: this node has 1; start at most that "
-                                   "many per node (--nproc_per_node)")
-
-
-def readme_floors():
-    """{script: the oldest torch it runs on}, from the README's table of floors."""
-    rows = re.findall(r"^\| `(\w+\.py)` \| (\d+)\.(\d+) \|", (ROOT / "README.md").read_text(), re.MULTILINE)
-    return {script: (int(major), int(minor)) for script, major, minor in rows}
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_too_old_a_torch_is_refused(script, monkeypatch):
-    """The release before the script's floor in the README (faked in this process) stops its import with the line
-    naming both versions, before the imports that such a torch may lack; the floor's own first release passes."""
-    major, minor = readme_floors()[script]
-    older = f"{major}.{minor - 1}.0+cu124"
-    monkeypatch.setattr(torch, "__version__", TorchVersion(older))
-    with pytest.raises(SystemExit) as stop:
-        import_script(script)
-    assert stop.value.code == f"{script}: error: this script needs torch {major}.{minor} or newer, found {older}"
-    monkeypatch.setattr(torch, "__version__", TorchVersion(f"{major}.{minor}.0+cu124"))
-    import_script(script)
-
-
-def test_too_old_a_torch_prints_one_line_and_nothing_else(tmp_path):
-    """What the user sees of the refusal above: that line alone, from a process whose torch says so from start-up."""
-    major, minor = readme_floors()["single_gpu.py"]
-    older = f"{major}.{minor - 1}.0+cu124"
-    env = injected(tmp_path, f"import torch\nfrom torch.torch_version import TorchVersion\n"
-                             f"torch.__version__ = TorchVersion({older!r})\n")
-    result = run_command([sys.executable, str(ROOT / "single_gpu.py"), "--help"], env=env, timeout=60)
-    assert result.returncode == 1
-    assert result.output == f"single_gpu.py: error: this script needs torch {major}.{minor} or newer, found {older}\n"
+# Rank 1's shard, or stage, alone turns NaN in step 3, at a save (--ckpt-every 1) and before any loss is logged after
+# it: each rank checks its own weights, then all agree, and every rank stops with the line.
+@pytest.mark.parametrize("script", ["fsdp.py", "pipeline.py"])
+def test_non_finite_weights_on_one_rank_stop_every_rank_without_saving(script, tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    result = refused(script, ["--ckpt-every", 1, "--keep-checkpoints", 5, "--ckpt-dir", ckpt_dir],
+                     "the weights are not finite at step 3: diverged, and not saved",
+                     env=poisoned(tmp_path, 3, rank=1))
+    assert len(error_lines(script, result.output)) == 2, result.output  # rank 0's are finite: it heard from rank 1
+    saved_nothing_from(ckpt_dir, 3, written=1)

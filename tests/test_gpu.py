@@ -1,18 +1,17 @@
 """On a GPU: every script's CUDA path, NCCL for the distributed ones. Skipped without CUDA: CI has no GPU.
 
-    python -m pytest tests/test_gpu.py -s      # one GPU: minutes (tests/README.md has the time measured)
+    python -m pytest tests/test_gpu.py -s      # one GPU: minutes
 
-On one GPU the distributed scripts run worlds of one process: NCCL gives each rank a GPU of its own. Each script
-trains, checkpoints and resumes bit for bit with deterministic algorithms; it never waits for the GPU inside a
-training step (torch's sync debug mode raises at any wait outside the steps that log); its checkpoints move between
-the GPU and the CPU; --compile, --activation-checkpointing, both pipeline schedules, --workers with pinned memory,
---profile, a stop signal and a real out of memory each run once. The runs are independent and small, so they share
-the GPU: a pool runs them side by side, and each test waits for its own. With two GPUs or more, the distributed
+On one GPU the distributed scripts run worlds of one process. Each script trains, checkpoints and resumes bit for
+bit with deterministic algorithms, and never waits for the GPU inside a training step that does not log (torch's
+sync debug mode raises at any wait); its checkpoints hold no CUDA tensor and move between the GPU and the CPU;
+--compile, --activation-checkpointing, both pipeline schedules, --workers with pinned memory, --profile and a stop
+signal each run once; MFU is FLOP/s over the table's peak. The runs are independent and small, so they share the
+GPU: a pool runs them side by side, and each test waits for its own. With two GPUs or more, the distributed
 scripts also train on two NCCL processes and dataparallel.py on every GPU, and end near single_gpu.py's weights."""
 
 import json
 import os
-import pickle
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import (PARAM_ATOL, TINY, TORCHRUN, import_script, injected, load, max_param_diff, run, scalars)
+from conftest import (DISTRIBUTED, PARAM_ATOL, TINY, TORCHRUN, import_script, injected, load, max_param_diff, run,
+                      scalars)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -41,17 +41,17 @@ CONFIGS = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py --workers 2", "ddp_
            "fsdp.py --precision bf16 --activation-checkpointing", "pipeline.py --schedule gpipe",
            "pipeline.py --schedule 1f1b --activation-checkpointing"]
 COMPILED = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py"]
-# Each way of checkpointing, whose checkpoints also move between the GPU and the CPU: torch.save of one process, DCP
-# of shards and DCP of stages.
+# One script of each way a state dict is gathered (the model itself, FSDP's shards, a pipeline's stages): the
+# checkpoint format is the same in every script.
 MOVED = ["single_gpu.py", "fsdp.py", "pipeline.py --schedule gpipe"]
 
-# Deterministic kernels where torch has them (cuBLAS needs its workspace fixed too; memory-efficient attention's
-# backward has none, warns, and resumed bit for bit on an H200 all the same), and the sync check: from the first batch that a
-# training step fetches (from step CHECK_FROM on), torch raises at any operation that waits for the GPU (an .item(),
-# a copy to the host, a synchronize), until the end of a step that logs (a multiple of LOG_EVERY, and so each
-# evaluation and checkpoint too). Evaluation fetches its batches without autograd: it does not turn the check on.
-# The hook is outside the model: inside, torch.compile would trace it, and recompile as the step count changes.
-# SHOW_CHECKS=1 prints each turn: how the turns were checked against the log lines, on a CPU.
+# Deterministic kernels where torch has them (cuBLAS needs its workspace fixed too), and the sync check: from the
+# first batch that a training step fetches (from step CHECK_FROM on), torch raises at any operation that waits for
+# the GPU (an .item(), a copy to the host, a synchronize), until the end of the optimizer step of a step that logs
+# (a multiple of LOG_EVERY, and so each evaluation and checkpoint too). So a step that does not log is checked
+# whole: its micro-batches, the clipping, the optimizer and scheduler, and the stop vote after it (a CPU tensor,
+# through gloo). Evaluation fetches its batches without autograd: it does not turn the check on. The hook is
+# outside the model: inside, torch.compile would trace it. SHOW_CHECKS=1 prints each turn.
 GPU_CHECKS = """
 import os
 import torch
@@ -102,18 +102,11 @@ def train_and_resume(config, tmp):
     """An uninterrupted run; one that stops half-way and one that resumes it on the GPU; for MOVED, the half-way
     checkpoint resumed on the CPU, and a half on the CPU resumed on the GPU. {name: run}"""
     env = checked(tmp, CHECK_FROM)
-    runs = {"whole": gpu_run(config, *FLAGS, "--keep-checkpoints", 2, "--ckpt-dir", tmp / "whole", "--log-dir",
-                             tmp / "tb-whole", env=env)}
+    runs = {"whole": gpu_run(config, *FLAGS, "--ckpt-dir", tmp / "whole", "--log-dir", tmp / "tb-whole", env=env)}
     half = [*FLAGS, "--max-steps", STEPS // 2]  # the last --max-steps wins
     runs["half"] = gpu_run(config, *half, "--ckpt-dir", tmp / "parts", "--log-dir", tmp / "tb-half", env=env)
-    shutil.copytree(tmp / "parts", tmp / "half", symlinks=True)
-    # The whole run's step 20, written in the background (the half run's last was waited for), as the half's is laid out.
-    (tmp / "whole-20").mkdir()
-    for name in os.listdir(tmp / "half"):  # checkpoint.pt, or the link checkpoint and its directory
-        numbered = tmp / "whole" / re.sub(r"^checkpoint(-\d+)?", f"checkpoint-{STEPS // 2:06d}", name, count=1)
-        os.symlink(numbered.resolve(), tmp / "whole-20" / name)
     if config in MOVED:
-        shutil.copytree(tmp / "parts", tmp / "to-cpu", symlinks=True)
+        shutil.copytree(tmp / "parts", tmp / "to-cpu")
     runs["rest"] = gpu_run(config, *FLAGS, "--ckpt-dir", tmp / "parts", "--log-dir", tmp / "tb-rest", env=env)
     if config in MOVED:
         runs["cpu rest"] = gpu_run(config, *FLAGS, "--ckpt-dir", tmp / "to-cpu", "--log-dir", tmp / "tb-cpu-rest",
@@ -125,10 +118,8 @@ def train_and_resume(config, tmp):
 
 
 def compiled(script, tmp):
-    env = checked(tmp, CHECK_FROM_COMPILED)
-    if script == "dataparallel.py":  # which refuses --compile on several GPUs: one
-        env["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"].split(",")[0]
-    return gpu_run(script, "--compile", *FLAGS, "--log-dir", tmp / "tb", env=env, timeout=600)
+    return gpu_run(script, "--compile", *FLAGS, "--log-dir", tmp / "tb", env=checked(tmp, CHECK_FROM_COMPILED),
+                   timeout=600)
 
 
 def profiled(script, tmp):
@@ -155,32 +146,15 @@ def stopped(script, tmp):
                    env={**ON_THE_GPU, **injected(tmp, STOP_AT_STEP_7)})
 
 
-# A GPU of 1 GiB: torch's allocator refuses more, as it would past a real GPU's memory, whatever this GPU's size and
-# without crowding the runs beside it. GPT-2 small's width and depth (85M parameters, 0.34 GiB) fits; the
-# activations of its first training step, at 32 x 256 tokens, do not.
-SMALL_GPU = """
-import torch
-torch.cuda.set_per_process_memory_fraction(2**30 / torch.cuda.get_device_properties(0).total_memory)
-"""
-TOO_BIG = ["--d-model", 768, "--n-layers", 12, "--n-heads", 12, "--seq-len", 256, "--batch-size", 32, "--max-steps", 9]
-OUT_OF_MEMORY = ["single_gpu.py", "dataparallel.py", "ddp_torchrun.py", "fsdp.py", "pipeline.py"]
-
-
-def out_of_memory(script, tmp):
-    return gpu_run(script, *TOO_BIG, "--profile", "--log-dir", tmp / "tb", env={**ON_THE_GPU, **injected(tmp, SMALL_GPU)},
-                   timeout=120)
-
-
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
     """The runs of the tests selected in this file, started at once in a pool that shares the GPU:
     {key: (future, its directory)}."""
-    jobs = {"train": train_and_resume, "compile": compiled, "profile": profiled, "stop": stopped, "oom": out_of_memory}
+    jobs = {"train": train_and_resume, "compile": compiled, "profile": profiled, "stop": stopped}
     kinds = {"test_trains_resumes_bit_for_bit_and_never_waits_in_a_step": "train",
-             "test_checkpoints_move_between_the_gpu_and_the_cpu": "train",
+             "test_checkpoints_hold_no_cuda_tensor_and_move_between_the_gpu_and_the_cpu": "train",
              "test_compiled_trains_without_waiting_in_a_step": "compile",
-             "test_profile_traces_the_gpus_kernels": "profile", "test_stop_signal_saves_the_stop_step": "stop",
-             "test_out_of_memory_ends_in_one_line": "oom"}
+             "test_profile_traces_the_gpus_kernels": "profile", "test_stop_signal_saves_and_exits_75": "stop"}
     keys = {(kinds[item.originalname], *item.callspec.params.values()) for item in request.session.items
             if item.originalname in kinds}
     root = tmp_path_factory.mktemp("gpu")
@@ -198,22 +172,30 @@ def losses(log_dir):
     return loss[min(loss)], loss[max(loss)]
 
 
+def on_the_gpu(output):
+    return re.search(r"^[\d,]+ parameters on (rank 0's )?cuda", output, re.MULTILINE)
+
+
 def assert_mfu_against_the_table(config, output, log_dir):
-    """The MFU logged is model FLOP/s over the table's peak for the precision the run computes in."""
+    """Each step line's MFU is its FLOP/s per process over the table's peak for the precision the run computes in
+    (fp32's matrix products run in TF32, at half the 16-bit peak), where the table names this GPU."""
     script, *flags = config.split()
-    precision = flags[flags.index("--precision") + 1] if "--precision" in flags else "tf32"
-    precision = "tf32" if precision == "fp32" else precision  # fp32 matrix products run in TF32
-    peak = import_script("single_gpu.py").peak_flops(torch.device("cuda"), precision)
-    tb = scalars(log_dir)
+    default = "bf16" if script == "ddp_amp.py" else "fp32"
+    precision = flags[flags.index("--precision") + 1] if "--precision" in flags else default
+    name = torch.cuda.get_device_name()
+    peak = next((peak for gpu, peak in import_script("single_gpu.py").PEAK_FLOPS.items() if gpu in name), None)
+    printed = [float(mfu) for mfu in re.findall(r" TFLOP/s \| ([\d.]+)% MFU$", output, re.MULTILINE)]
     if peak is None:
-        assert "train/mfu" not in tb and "MFU" not in output, output
+        assert not printed and "MFU" not in output, output
         return
-    assert f"dense {precision} peak, {peak / 1e12:g} TFLOP/s" in output, output
+    peak = peak / 2 if precision == "fp32" else peak
     if script == "dataparallel.py":
         peak *= GPUS  # one process computes on every GPU
-    assert tb["train/mfu"].keys() == tb["train/tflops_per_process"].keys()
-    for step, mfu in tb["train/mfu"].items():
-        assert mfu == pytest.approx(tb["train/tflops_per_process"][step] * 1e12 / peak, rel=1e-5)
+    tflops = scalars(log_dir)["train/tflops_per_process"]
+    assert len(printed) == len(tflops), output
+    for (step, value), mfu in zip(sorted(tflops.items()), printed):
+        print(f"{config}, step {step}: {value:.4g} TFLOP/s, {mfu}% MFU of {name}'s {peak / 1e12:g} TFLOP/s")
+        assert mfu == pytest.approx(100 * value * 1e12 / peak, abs=0.051)  # printed to 0.1%
 
 
 def tensors(state):
@@ -227,8 +209,8 @@ def test_trains_resumes_bit_for_bit_and_never_waits_in_a_step(runs, config):
     for name, done in result.items():
         assert done.returncode == 0, f"the {name} run:\n{done.output}"
     whole, rest = result["whole"], result["rest"]
-    assert "device cuda" in whole.output, whole.output
-    assert re.search(r"resumed from \S+ at step 20$", rest.output, re.MULTILINE), rest.output
+    assert on_the_gpu(whole.output), whole.output
+    assert re.search(r"^resumed from \S+/step-000020 at step 20$", rest.output, re.MULTILINE), rest.output
     first, last = losses(tmp / "tb-whole")
     speed = re.findall(r"([\d,]+) tokens/s", whole.output)[-1]
     print(f"\n{config} on {torch.cuda.get_device_name()}, torch {torch.__version__}: loss {first:.4f} -> {last:.4f}, "
@@ -240,24 +222,25 @@ def test_trains_resumes_bit_for_bit_and_never_waits_in_a_step(runs, config):
     difference = max_param_diff(resumed["model"], uninterrupted["model"])
     assert all(torch.equal(resumed["model"][name], uninterrupted["model"][name]) for name in uninterrupted["model"]), \
         f"the resumed run's weights differ by up to {difference:.3g}"
+    assert resumed["optimizer"].keys() == uninterrupted["optimizer"].keys()
     assert all(torch.equal(a, b) for a, b in zip(tensors(resumed["optimizer"]), tensors(uninterrupted["optimizer"])))
-    # Copied to pinned memory and written while training went on: the copy is of step 20, whole.
-    background, waited = load(tmp / "whole-20"), load(tmp / "half")
-    assert background["step"] == waited["step"] == STEPS // 2
-    assert all(torch.equal(a, b) for a, b in zip(tensors(background), tensors(waited)))
 
 
 @pytest.mark.parametrize("config", MOVED)
-def test_checkpoints_move_between_the_gpu_and_the_cpu(runs, config):
-    """The GPU's step-20 checkpoint resumes on the CPU (gloo), and the CPU's on the GPU, and each ends near the GPU's
-    own run: the CPU computes in fp32 where the GPU uses TF32, so the losses differ by rounding only (bound 0.01)."""
+def test_checkpoints_hold_no_cuda_tensor_and_move_between_the_gpu_and_the_cpu(runs, config):
+    """The GPU's step-20 checkpoint holds tensors that load on the host (no pickled CUDA tensor among its other
+    values either), resumes on the CPU (gloo), and the CPU's on the GPU; each ends near the GPU's own run: the CPU
+    computes in fp32 where the GPU uses TF32, so the losses differ by rounding only (bound 0.01)."""
     future, tmp = runs["train", config]
     result = future.result()
+    devices = {t.device.type for t in tensors(load(tmp / "to-cpu"))}
+    assert devices == {"cpu"}, devices
     _, expected = losses(tmp / "tb-whole")
     for name, device in [("cpu rest", "cpu"), ("gpu rest", "cuda")]:
         moved = result[name]
-        assert moved.returncode == 0 and f"device {device}" in moved.output, moved.output
-        assert re.search(r"resumed from \S+ at step 20$", moved.output, re.MULTILINE), moved.output
+        assert moved.returncode == 0, moved.output
+        assert bool(on_the_gpu(moved.output)) == (device == "cuda"), moved.output
+        assert re.search(r"^resumed from \S+/step-000020 at step 20$", moved.output, re.MULTILINE), moved.output
         _, last = losses(tmp / f"tb-{name.replace(' ', '-')}")
         print(f"\n{config}, {name}: loss at step {STEPS} {last:.4f}; the GPU's own run {expected:.4f}")
         assert abs(last - expected) < 0.01
@@ -267,7 +250,7 @@ def test_checkpoints_move_between_the_gpu_and_the_cpu(runs, config):
 def test_compiled_trains_without_waiting_in_a_step(runs, script):
     future, tmp = runs["compile", script]
     result = future.result()
-    assert result.returncode == 0 and "device cuda" in result.output, result.output
+    assert result.returncode == 0 and on_the_gpu(result.output), result.output
     first, last = losses(tmp / "tb")
     print(f"\n{script} --compile: loss {first:.4f} -> {last:.4f}")
     assert last < first - LOSS_DROP, result.output
@@ -282,44 +265,25 @@ def test_profile_traces_the_gpus_kernels(runs, script):
     kernels = [e for e in events if e.get("cat") == "kernel"]
     print(f"\n{script} --profile: {len(kernels)} CUDA kernels in steps 7 to 9")
     assert len(kernels) > 100, sorted({str(e.get("cat")) for e in events})
-    # The allocator's snapshot, as pytorch.org/memory_viz reads it: its blocks, and their history with stacks.
-    snapshot = pickle.loads((tmp / "tb" / "memory_rank0.pickle").read_bytes())
-    print(f"{len(snapshot['segments'])} segments, {len(snapshot['device_traces'][0])} allocator events")
-    assert snapshot["segments"] and len(snapshot["device_traces"][0]) > 100, snapshot.keys()
 
 
 @pytest.mark.parametrize("script", [config.split()[0] for config in MOVED])
-def test_stop_signal_saves_the_stop_step(runs, script):
+def test_stop_signal_saves_and_exits_75(runs, script):
+    """A single process stops after the step the signal came in; the distributed scripts one step later, where
+    every rank has the vote."""
     future, tmp = runs["stop", script]
     result = future.result()
-    assert re.search(r"^step +7 \| stopped by SIGTERM: run again to resume from ", result.output, re.MULTILINE), \
+    at = 8 if script in DISTRIBUTED else 7
+    assert re.search(rf"^step +{at} \| stopped by SIGTERM: run again to resume$", result.output, re.MULTILINE), \
         result.output
     if script in TORCHRUN:  # torchrun reports its worker's status, and exits 1
         assert result.returncode == 1 and f"exitcode  : {STOPPED}" in result.output, result.output
     else:
         assert result.returncode == STOPPED, result.output
-    assert load(tmp / "ckpt")["step"] == 7
+    assert load(tmp / "ckpt")["step"] == at
 
 
-@pytest.mark.parametrize("script", OUT_OF_MEMORY)
-def test_out_of_memory_ends_in_one_line(runs, script):
-    """A run that does not fit ends in seconds (the run's timeout: 120 s), with the line that says what to change;
-    run with --profile, it names the allocator's snapshot it wrote."""
-    future, tmp = runs["oom", script]
-    result = future.result()
-    assert result.returncode != 0, result.output
-    lines = [line for line in result.output.splitlines() if line.startswith(f"{script}: error: out of memory in ")]
-    assert len(lines) == 1, result.output
-    print(f"\n{lines[0]}")
-    assert re.search(r"on micro-batches of \d+ samples per process \(tried to allocate [\d.]+ \w+\): a peak of "
-                     r"[\d., ]+ GiB allocated, [\d., ]+ GiB reserved, of [\d.]+ GiB on cuda", lines[0]), lines[0]
-    snapshot = tmp / "tb" / "memory_rank0.pickle"
-    assert f"; {snapshot} shows what held it (open it at https://pytorch.org/memory_viz)" in lines[0], lines[0]
-    assert pickle.loads(snapshot.read_bytes())["segments"], snapshot
-    assert f'{script}", line' not in result.output, result.output  # no traceback
-
-
-TF32_OFF = "import torch\ntorch._C._set_cublas_allow_tf32 = lambda allow: None\n"
+TF32_OFF = "import torch\ntorch.set_float32_matmul_precision = lambda precision: None\n"
 
 
 @pytest.mark.skipif(GPUS < 2, reason="two processes need two GPUs; nn.DataParallel splits a batch across 2 or more")
@@ -333,9 +297,7 @@ def test_on_several_gpus_ends_near_single_gpus_weights(script, tmp_path):
     for name in ["single_gpu.py", script]:
         result = run(name, *TINY, "--max-steps", 16, "--ckpt-dir", tmp_path / name, "--log-dir", tmp_path / "tb",
                      nproc=2, env=env, timeout=300)
-        assert result.returncode == 0 and "device cuda" in result.output, result.output
-    if script == "dataparallel.py":
-        assert f"{GPUS} GPUs" in result.output, result.output
+        assert result.returncode == 0 and on_the_gpu(result.output), result.output
     difference = max_param_diff(load(tmp_path / script)["model"], load(tmp_path / "single_gpu.py")["model"])
     print(f"\n{script} on {2 if script != 'dataparallel.py' else GPUS} GPUs against single_gpu.py: {difference:.2g}")
     assert difference <= 100 * PARAM_ATOL

@@ -1,166 +1,203 @@
-"""A job told to stop: SIGTERM through the launcher, or to one worker alone, at a random step or at an evaluation, a
-save or inside a collective, makes every rank save a checkpoint at one step and exit as stopped, and the run started
-again ends on an uninterrupted run's weights, bit for bit."""
+"""A job told to stop saves a checkpoint at the step the scripts document and exits 75, however the signal arrives,
+and the run started again ends on an uninterrupted run's weights, bit for bit; a job killed (SIGKILL) while a
+checkpoint is written in the background keeps the one before, which resumes bit for bit."""
 
 import os
-import random
 import re
 import signal
 import subprocess
-import tempfile
 import time
 
 import pytest
 import torch
 
-from conftest import (LAUNCHER, ROOT, SCRIPTS, STEPS, TINY, WAIT_FOR_SIGNAL, checkpoint_name, environment, injected,
-                      kill_all, launch, load, run, tagged_processes)
+from conftest import (ROOT, STEPS, TINY, Run, adam_state, checkpoints, command, environment, injected, kill_all, load,
+                      run, tagged_processes)
 
-STOPPED = 75  # a stopped process's exit status (EX_TEMPFAIL): saved, to be run again
+STOPPED = 75  # the scripts' status after a stop (EX_TEMPFAIL): saved, to be run again
+HOLD_STEP = 6  # mid-epoch (5 steps an epoch), before the first checkpoint at step 8
+
+# Injected (hold()): process HOLD_RANK holds its optimizer step HOLD_STEP until a stop signal has reached it, so that
+# the signal lands in that step whatever the timing, once (a run started again, by a requeue, holds nothing); and each
+# rank of a distributed job says with which status it exits, which torchrun, stopped itself, does not report.
+HOLD = """\
+import os, signal, sys, threading, time
+import torch
+
+received, install = threading.Event(), signal.signal
+
+def noting_install(signum, handler):
+    if callable(handler):  # the script's handler, and then: a signal came
+        handler = lambda signum, frame, handler=handler: (handler(signum, frame), received.set())
+    return install(signum, handler)
+
+step, steps = torch.optim.AdamW.step, []
+
+def holding_step(self, *args, **kwargs):
+    steps.append(None)
+    if (len(steps) == int(os.environ["HOLD_STEP"]) and os.environ.get("RANK", "0") == os.environ["HOLD_RANK"]
+            and not os.path.exists(os.environ["HELD"])):
+        open(os.environ["HELD"], "w").close()
+        print(f"holding step {len(steps)} until a stop signal", flush=True)
+        deadline = time.monotonic() + 120
+        while not received.is_set():
+            assert time.monotonic() < deadline, "no stop signal came"
+            time.sleep(0.01)
+    return step(self, *args, **kwargs)
+
+system_exit = sys.exit
+
+def saying_exit(status=None):
+    if "RANK" in os.environ:
+        print(f"rank {os.environ['RANK']} exits with {status}", flush=True)
+    system_exit(status)
+
+signal.signal, torch.optim.AdamW.step, sys.exit = noting_install, holding_step, saying_exit
+"""
+
+# Injected: rank 1 holds its part of the background write of checkpoint HOLD_WRITE (a directory's name) until it is
+# killed, while training goes on.
+HOLD_WRITE = """\
+import os, time
+from torch.distributed.checkpoint import filesystem
+
+write = filesystem._FileSystemWriter.write_data
+
+def held_write(self, *args, **kwargs):
+    if os.path.basename(self.path) == os.environ["HOLD_WRITE"] and os.environ.get("RANK") == "1":
+        print(f"rank 1 holds its write of {self.path}", flush=True)
+        time.sleep(3600)
+    return write(self, *args, **kwargs)
+
+filesystem._FileSystemWriter.write_data = held_write
+"""
 
 
-def flags(ckpt_dir, log_dir, workers=0):
-    return [*TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", log_dir, "--workers", workers]
+def hold(directory, step, rank, also=""):
+    """The environment in which rank `rank` holds step `step` (see HOLD), and runs the code `also` at start-up."""
+    return {**injected(directory, HOLD + also), "HOLD_STEP": str(step), "HOLD_RANK": str(rank),
+            "HELD": str(directory / "held")}
 
 
-def stop(script, target, where, tmp_path, workers=0):
-    """Launch `script`, and send SIGTERM to `target` ("launcher", or "worker": local rank 1 alone) at `where` (see
-    WAIT_FOR_SIGNAL): during a random step, or at the evaluation, the save or the stop check's collective that follow
-    step 8; return the exit status, the output and the step at which the run should stop: that step, or the next
-    (the signal came after the step's stop check). With loader workers, torchrun's SIGTERM reaches them too (it
-    signals each worker's process group)."""
-    stop_at = random.randint(2, STEPS - 1) if where == "step" else 8
-    tag = f"{os.getpid()}-{time.monotonic_ns()}"
-    env = environment({**injected(tmp_path, WAIT_FOR_SIGNAL), "LAUNCH_TEST_TAG": tag, "NPROC_PER_NODE": "2",
-                       "MAX_RESTARTS": "0",  # a worker that stops is not restarted: the job ends as stopped
-                       "STOP_AT": str(stop_at), "STOP_WHERE": where, "GO": str(tmp_path / "go")})
-    waiting = {"step": [f"step {stop_at}"], "collective": [f"the collective after step {stop_at}"],
-               "write": [f"write of step {stop_at}", f"step {stop_at + 2}"]}.get(where, [f"{where} after step {stop_at}"])
-    argv = [str(LAUNCHER), script, *map(str, flags(tmp_path / "ckpt", tmp_path / "tb", workers))]
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+def flags(out, *more):
+    return [*TINY, "--max-steps", STEPS, "--log-dir", out / "tb", *more]
+
+
+class Job:
+    """A script started in the background, its output in a file in `directory`, every process it starts tagged; as
+    a context, killed at the end with every process it started, if any is left."""
+
+    def __init__(self, script, args, env, directory):
+        self.tag, self.log, self.start = f"{os.getpid()}-{time.monotonic_ns()}", directory / "job.log", time.monotonic()
+        with open(self.log, "w") as log:  # a file, not a pipe: nothing blocks on output nobody reads yet
+            self.proc = subprocess.Popen(command(script) + [str(a) for a in args], cwd=ROOT, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=environment({**env, "LAUNCH_TEST_TAG": self.tag}))
+
+    def output(self):
+        return self.log.read_text()
+
+    def wait_for(self, *lines):
+        """Wait until the output holds every one of `lines`."""
+        deadline = time.monotonic() + 180
+        while not all(line in self.output() for line in lines):
+            assert self.proc.poll() is None and time.monotonic() < deadline, f"never printed {lines}:\n{self.output()}"
+            time.sleep(0.02)
+
+    def finish(self, timeout=180):
+        """Wait for the job to end; past `timeout`, a hang, kill it and fail."""
         try:
-            wait_for(proc, log, [f"waiting in {place}" for place in waiting])
-            if target == "launcher":
-                pid = proc.pid  # torchrun, or python: the launcher execs it
-            else:
-                pid, = [pid for pid, e in tagged_processes(tag).items() if e.get("LOCAL_RANK") == "1"]
-            os.kill(pid, signal.SIGTERM)
-            if target == "worker":
-                time.sleep(0.5)  # in the collective, the signal comes while rank 1 waits inside it
-                (tmp_path / "go").touch()  # the other rank goes on without a signal
-            returncode = proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                kill_all(proc, tag)
-                proc.wait()
-        log.seek(0)
-        return returncode, log.read(), {"step": stop_at, "write": stop_at + 2}.get(where, stop_at + 1)
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"ran past {timeout}s after the signal:\n{self.output()}")
+        return Run(self.proc.returncode, self.output(), time.monotonic() - self.start)
+
+    def kill(self):
+        kill_all(self.proc, self.tag)
+        self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
 
 
-def wait_for(proc, log, lines):
-    """Wait until the output in `log` holds every one of `lines`."""
-    deadline = time.monotonic() + 120
-    while not all(line in (log.seek(0), log.read())[1] for line in lines):
-        assert proc.poll() is None and time.monotonic() < deadline, f"never printed {lines}"
-        time.sleep(0.02)
-
-
-@pytest.mark.parametrize("script, target, where, workers", [
-    ("ddp_torchrun.py", "launcher", "step", 2), ("ddp_torchrun.py", "worker", "step", 0),
-    ("fsdp.py", "launcher", "step", 0), ("pipeline.py", "worker", "step", 0), ("ddp_spawn.py", "launcher", "step", 0),
-    ("single_gpu.py", "launcher", "step", 0),
-    # Where else a stop lands: in an evaluation through the stages (the last stage computes the loss while the first
-    # waits for it), in a save that every rank writes, and inside a collective that one rank waits in.
-    ("pipeline.py", "launcher", "evaluation", 0), ("fsdp.py", "worker", "save", 0),
-    ("ddp_torchrun.py", "worker", "collective", 0),
-    # While a checkpoint is written in the background: the stop waits for it, then saves the stop step.
-    ("single_gpu.py", "launcher", "write", 0), ("ddp_torchrun.py", "worker", "write", 0),
-    ("pipeline.py", "launcher", "write", 0)])
-def test_stop_signal_saves_and_the_rerun_ends_bit_for_bit(trained, script, target, where, workers, tmp_path):
-    returncode, output, stop_at = stop(script, target, where, tmp_path, workers)
-    stops = re.findall(r"^step +(\d+) \| stopped by SIGTERM: run again to resume from (.+)$", output, re.MULTILINE)
-    assert len(stops) == 1, output  # rank 0 says it once
-    step = int(stops[0][0])
-    print(f"\n{script} --workers {workers}: SIGTERM to the {target} at the {where} (to stop at step {stop_at}): "
-          f"stopped at step {step}, exit {returncode}")
-    assert step == stop_at, output
-    # Straight from python, the stop's own status; through torchrun, its report of the stop (torchrun exits 1). A
-    # torchrun that got the signal itself may instead abort as its own interpreter shuts down, after every worker
-    # has stopped ("terminate called without an active exception": once in a CI run, on 2.13). That race is in
-    # torch's launcher, not in a script: it fails the job all the same, and SLURM's requeue needs no more.
-    if script in ("single_gpu.py", "ddp_spawn.py"):
-        assert returncode == STOPPED, output
-    elif target == "launcher" and returncode == -signal.SIGABRT:
-        assert "Received 15 death signal" in output and "terminate called without an active exception" in output, output
-    else:
-        assert returncode == 1, output
-        assert (f"exitcode  : {STOPPED}" if target == "worker" else "Received 15 death signal") in output, output
-    assert load(tmp_path / "ckpt")["step"] == step  # saved by every rank at the step they agreed on
-
-    rerun = launch(script, *flags(tmp_path / "ckpt", tmp_path / "tb"), env={"NPROC_PER_NODE": "2"})
-    assert rerun.returncode == 0, rerun.output
-    assert f"resumed from {stops[0][1]} at step {step}" in rerun.output, rerun.output
-    got, expected = load(tmp_path / "ckpt")["model"], load(trained[script].ckpt_dir)["model"]
-    assert all(torch.equal(got[name], expected[name]) for name in expected)
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_kill_during_a_background_write_leaves_the_checkpoint_before_which_resumes_bit_for_bit(trained, script,
-                                                                                                  tmp_path):
-    """Checkpoints every 4 steps, each written in the background. Step 8's write is held, training goes on to step
-    10 meanwhile, and there every process of the job is killed (SIGKILL). Step 4's checkpoint is whole, and the run
-    started again from it ends on the uninterrupted run's weights, moments and schedule, bit for bit."""
-    tag = f"{os.getpid()}-{time.monotonic_ns()}"
-    env = environment({**injected(tmp_path, WAIT_FOR_SIGNAL), "LAUNCH_TEST_TAG": tag, "NPROC_PER_NODE": "2",
-                       "STOP_AT": "8", "STOP_WHERE": "write", "GO": str(tmp_path / "go")})
-    every_4 = [*flags(tmp_path / "ckpt", tmp_path / "tb"), "--ckpt-every", 4]  # the last --ckpt-every wins
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([str(LAUNCHER), script, *map(str, every_4)], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            wait_for(proc, log, ["step     8 | saving", "waiting in write of step 8", "waiting in step 10"])
-        finally:
-            kill_all(proc, tag)
-            proc.wait()
-    saved = load(tmp_path / "ckpt")
-    assert saved["step"] == 4
-    rerun = launch(script, *every_4, env={"NPROC_PER_NODE": "2"})
-    resumed = f"resumed from {tmp_path / 'ckpt' / checkpoint_name(script)} at step 4"
-    assert rerun.returncode == 0 and resumed in rerun.output, rerun.output
-    got, expected = load(tmp_path / "ckpt"), load(trained[script].ckpt_dir)
+def assert_ends_like(trained, ckpt_dir):
+    """The newest checkpoint in ckpt_dir holds `trained`'s weights, moments and schedule, bit for bit."""
+    got, expected = load(ckpt_dir), load(trained.ckpt_dir)
     assert got["step"] == expected["step"] == STEPS
-    assert all(torch.equal(got["model"][name], expected["model"][name]) for name in expected["model"])
-    assert all(torch.equal(a, b) for a, b in zip(tensors(got["optimizer"]), tensors(expected["optimizer"])))
+    for name, tensors in [("model", lambda state: state["model"]), ("Adam's moments", adam_state)]:
+        assert tensors(got).keys() == tensors(expected).keys(), name
+        assert all(torch.equal(tensors(got)[key], value) for key, value in tensors(expected).items()), name
     assert got["scheduler"] == expected["scheduler"]
 
 
-def tensors(state):
-    return [t for t in torch.utils._pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+# One way each that a signal arrives: to a single process; to ddp_spawn.py's parent, which forwards it; to torchrun,
+# which forwards it to each worker's process group, so with --workers 1 to its data loader's process too, which leaves
+# it to the training process; and to one worker of a torchrun job alone (SIGUSR1, as SLURM's --signal sends). The
+# held process is the last rank; the others run into the next step's collective and wait there.
+@pytest.mark.parametrize("script, target, signum", [
+    ("single_gpu.py", "the process", signal.SIGTERM), ("ddp_spawn.py", "the parent", signal.SIGTERM),
+    ("ddp_torchrun.py", "torchrun", signal.SIGTERM), ("fsdp.py", "rank 1 alone", signal.SIGUSR1)],
+    ids=["single_gpu", "ddp_spawn-parent", "torchrun", "fsdp-rank-1-alone"])
+def test_stop_signal_saves_at_the_documented_step_and_the_rerun_ends_bit_for_bit(trained, script, target, signum,
+                                                                                tmp_path):
+    distributed = script != "single_gpu.py"
+    loader = ["--workers", 1] if target == "torchrun" else []
+    with Job(script, flags(tmp_path, "--ckpt-dir", tmp_path / "ckpt", *loader),
+             hold(tmp_path, HOLD_STEP, int(distributed)), tmp_path) as job:
+        job.wait_for(f"holding step {HOLD_STEP}")
+        if target == "rank 1 alone":
+            [pid] = [pid for pid, env in tagged_processes(job.tag).items() if env.get("RANK") == "1"]
+        else:
+            pid = job.proc.pid  # the one started: the script, ddp_spawn.py's parent, or torchrun
+        os.kill(pid, signum)
+        result = job.finish()
+    # One process stops after the step under way; distributed ranks agree on the step after the signal's.
+    step = HOLD_STEP + distributed
+    print(f"\n{script}: {signum.name} to {target} in step {HOLD_STEP}: exit {result.returncode}")
+    stops = re.findall(r"^step +\d+ \| stopped by .*$", result.output, re.MULTILINE)
+    assert stops == [f"step {step:>5} | stopped by {signum.name}: run again to resume"], result.output
+    if script in ("single_gpu.py", "ddp_spawn.py"):
+        assert result.returncode == STOPPED, result.output
+    else:  # torchrun reports a stopped worker, or its own stop, as a failure (exit 1)
+        assert result.returncode != 0, result.output
+    if distributed:
+        assert all(f"rank {rank} exits with {STOPPED}" in result.output for rank in range(2)), result.output
+    assert checkpoints(tmp_path / "ckpt") == [tmp_path / "ckpt" / f"step-{step:06d}"]
+
+    rerun = run(script, *flags(tmp_path, "--ckpt-dir", tmp_path / "ckpt"))
+    assert rerun.returncode == 0, rerun.output
+    assert f"resumed from {tmp_path / 'ckpt' / f'step-{step:06d}'} at step {step}\n" in rerun.output, rerun.output
+    assert_ends_like(trained[script], tmp_path / "ckpt")
 
 
-def test_second_signal_while_saving_and_no_ckpt_dir(tmp_path):
-    """A signal at step 3 stops the run; a second one during the save does not tear the checkpoint. Without --ckpt-dir
-    the run says that nothing was saved."""
-    env = injected(tmp_path, "import os, signal, torch, torch.optim\n"
-                             "step, save, calls = torch.optim.AdamW.step, torch.save, []\n"
-                             "def signalled_step(self, *args, **kwargs):\n"
-                             "    calls.append(None)\n"
-                             "    if len(calls) == 3:\n"
-                             "        os.kill(os.getpid(), signal.SIGTERM)\n"
-                             "    return step(self, *args, **kwargs)\n"
-                             "def signalled_save(*args, **kwargs):\n"
-                             "    os.kill(os.getpid(), signal.SIGUSR1)\n"
-                             "    return save(*args, **kwargs)\n"
-                             "torch.optim.AdamW.step, torch.save = signalled_step, signalled_save\n")
-    result = run("single_gpu.py", *flags(tmp_path / "ckpt", tmp_path / "tb"), env=env)
+def test_without_ckpt_dir_the_stop_says_nothing_was_saved(tmp_path):
+    with Job("single_gpu.py", flags(tmp_path), hold(tmp_path, 2, 0), tmp_path) as job:
+        job.wait_for("holding step 2")
+        os.kill(job.proc.pid, signal.SIGTERM)
+        result = job.finish()
     assert result.returncode == STOPPED, result.output
-    assert result.output.strip().endswith(f"step     3 | stopped by SIGTERM: run again to resume from "
-                                          f"{tmp_path / 'ckpt' / 'checkpoint.pt'}"), result.output
-    saved = load(tmp_path / "ckpt")
-    assert saved["step"] == 3 and not os.path.exists(tmp_path / "ckpt" / "checkpoint.pt.tmp")
+    assert result.output.rstrip().endswith("step     2 | stopped by SIGTERM: no --ckpt-dir, not saved"), result.output
 
-    result = run("single_gpu.py", *TINY, "--max-steps", STEPS, "--log-dir", tmp_path / "tb", env=env)
-    assert result.returncode == STOPPED, result.output
-    assert result.output.strip().endswith("step     3 | stopped by SIGTERM: nothing was saved (no --ckpt-dir)")
+
+def test_a_kill_during_a_background_write_leaves_the_checkpoint_before_which_resumes_bit_for_bit(trained, tmp_path):
+    """Checkpoints every 4 steps. Rank 1 holds its write of step 8's while training goes on to step 10, and there
+    every process of the job is killed (SIGKILL): step 4's checkpoint is complete, and the run started again from it
+    ends on the uninterrupted run's state, bit for bit."""
+    ckpt_dir = tmp_path / "ckpt"
+    every_4 = flags(tmp_path, "--ckpt-dir", ckpt_dir, "--ckpt-every", 4)  # the last --ckpt-every wins
+    with Job("ddp_torchrun.py", every_4, {**injected(tmp_path, HOLD_WRITE), "HOLD_WRITE": "step-000008"},
+             tmp_path) as job:
+        job.wait_for(f"rank 1 holds its write of {ckpt_dir / 'step-000008'}", "step    10 | loss")
+        job.kill()
+        output = job.output()
+    assert (ckpt_dir / "step-000008").is_dir(), output  # begun, and never finished: no .metadata
+    assert checkpoints(ckpt_dir) == [ckpt_dir / "step-000004"], output
+
+    rerun = run("ddp_torchrun.py", *every_4)
+    assert rerun.returncode == 0, rerun.output
+    assert f"resumed from {ckpt_dir / 'step-000004'} at step 4\n" in rerun.output, rerun.output
+    assert_ends_like(trained["ddp_torchrun.py"], ckpt_dir)

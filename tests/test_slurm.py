@@ -1,9 +1,9 @@
 """launch_distributed.sh under a real Slurm: a private controller and two slurmd on this machine, emulating
-two nodes, run `sbatch launch_distributed.sh ddp_torchrun.py`, and the job trains exactly as torchrun does
-on one node. Needs root and Debian's slurmctld, slurmd, slurm-client and munge; skips without them."""
+two nodes, run `sbatch launch_distributed.sh ddp_torchrun.py`, stopped and requeued on the way, and the job trains
+exactly as torchrun does on one node. Needs root and Debian's slurmctld, slurmd, slurm-client and munge; skips
+without them."""
 
 import os
-import random
 import re
 import shutil
 import signal
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (LAUNCHER, PARAM_ATOL, ROOT, STEPS, TINY, WAIT_FOR_SIGNAL, free_ports, injected, load,
-                      max_param_diff)
+from conftest import LAUNCHER, ROOT, STEPS, TINY, free_ports, load, max_param_diff
+from test_preemption import HOLD_STEP, hold
 
 PROGRAMS = ["mungekey", "munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel"]
 # Nodes named by loopback addresses: the launcher makes the allocation's first node name the rendezvous
@@ -149,91 +149,67 @@ PartitionName=emulated Nodes=ALL Default=YES State=UP
             print(f"\nSlurm and munge stopped in {time.monotonic() - start:.1f} s")
 
 
-def test_sbatch_trains_on_two_nodes_like_torchrun_on_one(slurm, trained, tmp_path):
-    # One process per node: a world of 2, the same as the one-node run of 2 processes it is compared with.
-    # MASTER_PORT: the launcher's default, 20000 + job id % 10000, is the same for every fresh cluster, so two
-    # runs of this test at once would meet in one rendezvous.
+def test_sbatch_trains_on_two_nodes_and_a_stop_before_the_time_limit_requeues_to_the_same_end(slurm, trained,
+                                                                                                 tmp_path):
+    """`sbatch launch_distributed.sh ddp_torchrun.py` on two nodes, one process each (the world of 2 that conftest's
+    torchrun run trains), told to stop in step 6 as the launcher's #SBATCH --signal=B:USR1@120 tells it before the
+    time limit (here by scancel): the workers save at one step and stop, the job requeues itself, and its second
+    start resumes and ends on the uninterrupted run's weights, bit for bit."""
+    # MASTER_PORT: the launcher's default, 20000 + job id % 10000, is the same for every fresh cluster, so two runs
+    # of this test at once would meet in one rendezvous. OMP_NUM_THREADS and PATH: what conftest.run_command gives
+    # every script. SLURM_CPU_BIND=cores: tasks bound to their CPUs, as on clusters that enforce it, where a task
+    # that srun gives one CPU (its default since Slurm 22.05 ignores the job's --cpus-per-task) binds every worker to
+    # it. Each worker reports the CPUs it may run on.
     rendezvous_port = free_ports(1)[0]
-    # What conftest.run_command gives every script: one thread per rank, and this interpreter first on PATH.
-    # SLURM_CPU_BIND=cores: tasks bound to their CPUs, as on clusters that enforce it, where a task that srun
-    # gives one CPU (its default since Slurm 22.05 ignores the job's --cpus-per-task) binds every worker to it.
-    # Each worker reports the CPUs it may run on.
     env = dict(slurm, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{slurm['PATH']}",
                NPROC_PER_NODE="1", MASTER_PORT=str(rendezvous_port), SLURM_CPU_BIND="cores",
-               **injected(tmp_path, "import os\n"
-                                    "if 'LOCAL_RANK' in os.environ:\n"
-                                    "    cpus = sorted(os.sched_getaffinity(0))\n"
-                                    "    print(f'rank {os.environ[\"RANK\"]} may run on CPUs {cpus}', flush=True)\n"))
+               **hold(tmp_path, HOLD_STEP, 1, also="if 'LOCAL_RANK' in os.environ:\n"
+                                                   "    cpus = sorted(os.sched_getaffinity(0))\n"
+                                                   "    print(f'rank {os.environ[\"RANK\"]} may run on CPUs {cpus}', "
+                                                   "flush=True)\n"))
     job_output = tmp_path / "job.out"
-    # The node and task counts come from the launcher's #SBATCH lines, as for a user; the CPUs, as the
-    # launcher's header says, from sbatch's command line.
-    argv = ["sbatch", "--wait", "--parsable", f"--job-name={JOB_NAME}", f"--output={job_output}", f"--chdir={tmp_path}",
-            f"--cpus-per-task={CPUS}", str(LAUNCHER), str(ROOT / "ddp_torchrun.py"), *TINY, "--max-steps", str(STEPS),
-            "--ckpt-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "tb")]
-    start = time.monotonic()
-    try:
-        sbatch = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        # Killing sbatch leaves the job running: cancel it, so that no rank outlives the test.
-        subprocess.run(["scancel", f"--name={JOB_NAME}"], check=False, env=env, timeout=30)
-        wait_until(lambda: not subprocess.run(["squeue", "--noheader", f"--name={JOB_NAME}"], check=False, env=env,
-                                              capture_output=True, text=True, timeout=10).stdout.strip(), 60)
-        pytest.fail(f"the job ran past {JOB_TIMEOUT} s:\n{job_output.read_text() if job_output.exists() else ''}")
-    seconds = time.monotonic() - start
-    output = job_output.read_text() if job_output.exists() else ""
-    assert sbatch.returncode == 0, f"{sbatch.stdout}{sbatch.stderr}\n{output}"
-
-    job_id = sbatch.stdout.strip()
-    srun = [line.split() for line in output.splitlines() if line.startswith("srun ")]
-    assert len(srun) == 1, output
-    assert {"--nodes=2", "--ntasks-per-node=1", f"--cpus-per-task={CPUS}", "torchrun", "--nnodes=2",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={NODES[0]}:{rendezvous_port}", f"--rdzv-id={job_id}"} <= set(srun[0])
-    assert "x world size 2" in output, output
-    affinity = dict(re.findall(r"^rank (\d) may run on CPUs (\[.*\])$", output, re.MULTILINE))
-    print(f"\nworkers' CPUs: {affinity}")
-    assert sorted(affinity) == ["0", "1"], output
-    assert all(len(cpus.split(",")) == CPUS for cpus in affinity.values()), affinity
-
-    diff = max_param_diff(load(tmp_path / "ckpt")["model"], load(trained["ddp_torchrun.py"].ckpt_dir)["model"])
-    print(f"\nSLURM job {job_id} on nodes {', '.join(NODES)}: {seconds:.1f} s; largest parameter difference from "
-          f"one-node torchrun: {diff:.3g}")
-    assert diff <= PARAM_ATOL
-
-
-def test_usr1_before_the_time_limit_checkpoints_and_requeues(slurm, trained, tmp_path):
-    """What the launcher's #SBATCH --signal=B:USR1@120 does before the time limit, sent now by scancel: the workers
-    save at one step and stop, the job requeues itself, and its second start resumes and ends on the weights of an
-    uninterrupted run."""
-    stop_at = random.randint(2, STEPS - 1)
-    env = dict(slurm, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{slurm['PATH']}",
-               NPROC_PER_NODE="1", MASTER_PORT=str(free_ports(1)[0]), STOP_AT=str(stop_at), GO=str(tmp_path / "go"),
-               **injected(tmp_path, WAIT_FOR_SIGNAL))
-    job_output, name = tmp_path / "job.out", f"{JOB_NAME}_requeue"
-    argv = ["sbatch", "--wait", f"--job-name={name}", f"--output={job_output}", f"--chdir={tmp_path}",
-            f"--cpus-per-task={CPUS}", str(LAUNCHER), str(ROOT / "ddp_torchrun.py"), *TINY, "--max-steps", str(STEPS),
-            "--ckpt-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "tb")]
 
     def output():
         return job_output.read_text() if job_output.exists() else ""
 
-    sbatch = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The node and task counts come from the launcher's #SBATCH lines, as for a user; the CPUs, as the launcher's
+    # header says, from sbatch's command line.
+    argv = ["sbatch", "--wait", "--parsable", f"--job-name={JOB_NAME}", f"--output={job_output}", f"--chdir={tmp_path}",
+            f"--cpus-per-task={CPUS}", str(LAUNCHER), str(ROOT / "ddp_torchrun.py"), *TINY, "--max-steps", str(STEPS),
+            "--ckpt-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "tb")]
+    sbatch = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert wait_until(lambda: f"waiting in step {stop_at}" in output(), JOB_TIMEOUT), output()
-        subprocess.run(["scancel", "--batch", "--signal=USR1", f"--name={name}"], env=env, check=True, timeout=30)
-        assert wait_until(lambda: "stopped by" in output(), 60), output()
-        (tmp_path / "go").touch()  # the requeued job's step STOP_AT goes on without waiting
-        returncode = sbatch.wait(timeout=JOB_TIMEOUT)
+        assert wait_until(lambda: f"holding step {HOLD_STEP}" in output(), JOB_TIMEOUT), output()
+        subprocess.run(["scancel", "--batch", "--signal=USR1", f"--name={JOB_NAME}"], env=env, check=True, timeout=30)
+        job_id, errors = sbatch.communicate(timeout=JOB_TIMEOUT)
     finally:
-        if sbatch.poll() is None:  # killing sbatch leaves the job running: cancel it
+        if sbatch.poll() is None:  # killing sbatch leaves the job running: cancel it, so that no rank outlives the test
             sbatch.kill()
-            subprocess.run(["scancel", f"--name={name}"], check=False, env=env, timeout=30)
-    assert returncode == 0, f"{sbatch.stdout.read()}\n{output()}"
+            subprocess.run(["scancel", f"--name={JOB_NAME}"], check=False, env=env, timeout=30)
+            wait_until(lambda: not subprocess.run(["squeue", "--noheader", f"--name={JOB_NAME}"], check=False, env=env,
+                                                  capture_output=True, text=True, timeout=10).stdout.strip(), 60)
     log = output()  # both starts of the job, one after the other (#SBATCH --open-mode=append)
-    assert f"step {stop_at:>5} | stopped by SIGTERM: run again to resume from" in log, log
-    assert "launch_distributed.sh: stopped by SIGUSR1: job" in log and "goes back in the queue" in log, log
-    assert f"resumed from {tmp_path / 'ckpt' / 'checkpoint.pt'} at step {stop_at}" in log, log
+    assert sbatch.returncode == 0, f"{job_id}{errors}\n{log}"
+
+    job_id = job_id.strip()
+    srun = [line.split() for line in log.splitlines() if line.startswith("srun ")]
+    assert len(srun) == 2, log  # a start, and the requeued one
+    assert all({"--nodes=2", "--ntasks-per-node=1", f"--cpus-per-task={CPUS}", "torchrun", "--nnodes=2",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={NODES[0]}:{rendezvous_port}",
+                f"--rdzv-id={job_id}"} <= set(line) for line in srun), log
+    assert log.count("x 2 processes") == 2, log
+    affinity = dict(re.findall(r"^rank (\d) may run on CPUs (\[.*\])$", log, re.MULTILINE))
+    print(f"\nworkers' CPUs: {affinity}")
+    assert sorted(affinity) == ["0", "1"], log
+    assert all(len(cpus.split(",")) == CPUS for cpus in affinity.values()), affinity
+
+    step = HOLD_STEP + 1  # the distributed scripts' stop: one step after the signal
+    assert f"step {step:>5} | stopped by SIGTERM: run again to resume" in log, log
+    assert f"launch_distributed.sh: stopped by SIGUSR1: job {job_id} goes back in the queue" in log, log
+    assert f"resumed from {tmp_path / 'ckpt' / f'step-{step:06d}'} at step {step}" in log, log
     got, expected = load(tmp_path / "ckpt"), load(trained["ddp_torchrun.py"].ckpt_dir)
     assert got["step"] == STEPS
     diff = max_param_diff(got["model"], expected["model"])
-    print(f"\nSIGUSR1 in step {stop_at}: requeued, resumed; largest parameter difference from one-node torchrun: {diff:.3g}")
+    print(f"\nSLURM job {job_id} on nodes {', '.join(NODES)}, stopped at step {step}, requeued and resumed: largest "
+          f"parameter difference from one-node torchrun: {diff:.3g}")
     assert diff == 0

@@ -1,23 +1,36 @@
-"""The scripts share one skeleton: `diff single_gpu.py X.py` shows what strategy X needs, no more."""
+"""The scripts share one skeleton: `diff single_gpu.py X.py` shows what strategy X needs, no more, and each script
+stays short enough to read whole."""
 
-import difflib
 import re
 import subprocess
 
 import pytest
 
-from conftest import FP32, ROOT, SCRIPTS
+from conftest import ROOT, SCRIPTS
 
 pytestmark = pytest.mark.smoke  # seconds: every test here is in the smoke tier
 
 SECTION = re.compile(r"^# -- (\w[\w ]*\w) -+$", re.MULTILINE)
-SIBLING_IMPORT = re.compile(r"^\s*(from|import)\s+(single_gpu|dataparallel|ddp_spawn|ddp_torchrun|ddp_amp|fsdp|pipeline)\b",
-                            re.MULTILINE)
-# Lines changed against single_gpu.py, both sides counted, as `diff single_gpu.py X.py | grep -c '^[<>]'`.
-MAX_CHANGED_LINES = {"dataparallel.py": 36, "ddp_spawn.py": 139, "ddp_torchrun.py": 109, "ddp_amp.py": 180, "fsdp.py": 345,
-                     "pipeline.py": 486}
-# Scripts derived from ddp_torchrun.py, and their exact diff against it.
-CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 40, "ddp_amp.py": 85, "fsdp.py": 272}
+SIBLING_IMPORT = re.compile(rf"^\s*(from|import)\s+({'|'.join(script[:-3] for script in SCRIPTS)})\b", re.MULTILINE)
+# Lines changed against single_gpu.py, both sides counted, as `diff single_gpu.py X.py | grep -c '^[<>]'`: issue
+# 43's targets where they are met, today's counts where no target was set (ddp_spawn.py, ddp_amp.py and fsdp.py are
+# held exactly against ddp_torchrun.py below). ddp_torchrun.py's target is 60: today 69.
+MAX_CHANGED_LINES = {"dataparallel.py": 25, "ddp_spawn.py": 94, "ddp_torchrun.py": 69, "ddp_amp.py": 88,
+                     "fsdp.py": 112, "pipeline.py": 250}
+# Scripts derived from ddp_torchrun.py, and their exact diff against it (issue 43's targets: 40, 35 and 90).
+CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 37, "ddp_amp.py": 29, "fsdp.py": 67}
+# The strategy's own call, which `diff -u` must show within its first 80 lines: a reader meets it on the first page,
+# not after the plumbing.
+STRATEGY_CALL = {"dataparallel.py": ("single_gpu.py", "DataParallel("),
+                 "ddp_torchrun.py": ("single_gpu.py", "DistributedDataParallel("),
+                 "ddp_amp.py": ("ddp_torchrun.py", "autocast"),
+                 "fsdp.py": ("ddp_torchrun.py", "fully_shard("),
+                 "pipeline.py": ("single_gpu.py", "PipelineStage(")}
+# main() in lines, from `def main` to its last line (before `if __name__`; in ddp_spawn.py, `def run`), blank lines
+# inside it included: 70 at most in the scripts that train one model copy per process; fsdp.py and
+# pipeline.py held to today's.
+MAX_MAIN_LINES = {"single_gpu.py": 70, "dataparallel.py": 70, "ddp_spawn.py": 70, "ddp_torchrun.py": 70,
+                  "ddp_amp.py": 70, "fsdp.py": 72, "pipeline.py": 72}
 
 
 def source(script):
@@ -32,10 +45,24 @@ def sections(script):
             for i, m in enumerate(marks)}
 
 
+def diff(script, against, *options):
+    result = subprocess.run(["diff", *options, str(ROOT / against), str(ROOT / script)], check=False,
+                            capture_output=True, text=True)
+    assert result.returncode in (0, 1), result.stderr
+    return result.stdout.splitlines()
+
+
 def changed_lines(script, against="single_gpu.py"):
-    diff = subprocess.run(["diff", str(ROOT / against), str(ROOT / script)], check=False, capture_output=True, text=True)
-    assert diff.returncode in (0, 1), diff.stderr
-    return sum(line.startswith(("<", ">")) for line in diff.stdout.splitlines())
+    return sum(line.startswith(("<", ">")) for line in diff(script, against))
+
+
+def main_lines(script):
+    lines = source(script).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("def main("))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i][:1] not in ("", " ", "#"))
+    while not lines[end - 1].strip():  # the blank lines after it
+        end -= 1
+    return end - start
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -49,35 +76,41 @@ def test_same_sections_in_the_same_order(script):
                                       "checkpointing", "main"]
 
 
-# Data and model: what a user replaces, in every script alike. Checkpointing: one format, so that any
-# script resumes any other's (ddp_amp.py adds its scaler's state, which the others ignore; fsdp.py and pipeline.py
-# write DCP directories, read checkpoint.pt too, and convert: the next test).
-@pytest.mark.parametrize("script, section", [(script, section) for script in SCRIPTS[1:] for section in ("data", "model")]
-                         + [(script, "checkpointing") for script in FP32[1:] if script not in ("fsdp.py", "pipeline.py")])
+# Data and model: what a user replaces, in every script alike. Checkpointing: one format, so that any script resumes
+# any other's on any number of processes (tests/test_training.py moves checkpoints between them).
+@pytest.mark.parametrize("section", ["data", "model", "checkpointing"])
+@pytest.mark.parametrize("script", SCRIPTS[1:])
 def test_shared_sections_are_single_gpus(script, section):
     assert sections(script)[section] == sections("single_gpu.py")[section]
 
 
-def test_fsdp_and_pipeline_checkpoint_alike():
-    """One DCP format, whatever each rank holds: pipeline.py's checkpointing section is fsdp.py's, but for what a stage
-    needs that a shard does not. A shard's groups name every parameter; a stage's only its own, and DCP writes one
-    rank's groups: pipeline.py's save writes every stage's names (`order`) into them."""
-    fsdp, pipeline = sections("fsdp.py")["checkpointing"], sections("pipeline.py")["checkpointing"]
-    changed = [line for line in difflib.ndiff(fsdp.splitlines(), pipeline.splitlines()) if line.startswith(("- ", "+ "))]
-    assert changed == [
-        "- def save_checkpoint(path, model, optimizer, scheduler, step, config, keep, writing, wait, save_group):",
-        "+ def save_checkpoint(path, model, optimizer, scheduler, step, config, order, keep, writing, wait, save_group):",
-        '+     for group, names in zip(state["optimizer"]["param_groups"], order):  # one rank\'s groups: every stage\'s names',
-        '+         group["params"] = names']
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_lines_fit_in_100_columns(script):
+    """Two scripts side by side on one screen: the diffs are read that way."""
+    long = [(number, len(line)) for number, line in enumerate(source(script).splitlines(), 1) if len(line) > 100]
+    assert not long, f"{script}: (line, columns) {long}"
+
+
+# issue 43's target for single_gpu.py is 450 lines: today 495 (the closing note of issue 43 says what the rest
+# would cost), held here so that it does not grow; every other script at most 600.
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_is_short_enough_to_read_whole(script):
+    lines = len(source(script).splitlines())
+    assert lines <= (495 if script == "single_gpu.py" else 600), f"{script}: {lines} lines"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_main_is_short(script):
+    assert main_lines(script) <= MAX_MAIN_LINES[script], f"{script}: main() is {main_lines(script)} lines"
 
 
 @pytest.mark.parametrize("script", CHANGED_FROM_DDP_TORCHRUN)
 def test_derived_scripts_differ_from_ddp_torchrun_only_in_their_strategy(script):
-    """ddp_spawn.py is ddp_torchrun.py with another way to start the processes: the docstring, an
-    import, --nproc and its GPU check, and run() with the spawn, which give each process torchrun's environment. ddp_amp.py is ddp_torchrun.py
-    with autocast and a loss scaler. fsdp.py is ddp_torchrun.py with sharding for the wrap, and sharded
-    checkpoints. The counts are exact, so a DDP line changed in one of them alone, or
-    deleted, fails here (the tests that run them check behaviour mostly on ddp_torchrun.py)."""
+    """ddp_spawn.py is ddp_torchrun.py with another way to start the processes: the docstring, imports, --nproc, and
+    run() with the spawn, which gives each process torchrun's environment. ddp_amp.py is ddp_torchrun.py with autocast
+    and a loss scaler. fsdp.py is ddp_torchrun.py with sharding for the wrap. The counts are exact, so a DDP line
+    changed in one of them alone, or deleted, fails here (the tests that run them check behaviour mostly on
+    ddp_torchrun.py)."""
     assert changed_lines(script, against="ddp_torchrun.py") == CHANGED_FROM_DDP_TORCHRUN[script]
 
 
@@ -86,11 +119,21 @@ def test_diff_against_single_gpu_stays_small(script):
     assert 0 < changed_lines(script) <= MAX_CHANGED_LINES[script]
 
 
+@pytest.mark.parametrize("script", STRATEGY_CALL)
+def test_diff_shows_the_strategys_call_on_its_first_page(script):
+    against, call = STRATEGY_CALL[script]
+    lines = diff(script, against, "-u")
+    where = next((number for number, line in enumerate(lines, 1) if line.startswith("+") and call in line), None)
+    assert where is not None and where <= 80, f"diff -u {against} {script}: {call} at line {where} of {len(lines)}"
+
+
 def test_readme_states_the_real_diff_sizes():
+    """Each script's row in the README's table ends `| N | M |`: N lines changed against single_gpu.py, M against
+    ddp_torchrun.py for the scripts derived from it, else `-`."""
     readme = (ROOT / "README.md").read_text()
-    for script in SCRIPTS[1:]:
+    for script in SCRIPTS:
         row = re.search(rf"^\| `{re.escape(script)}` \|.*\| (\d+) \| (\d+|-) \|$", readme, re.MULTILINE)
         assert row, f"README has no diff-size row for {script}"
         assert int(row.group(1)) == changed_lines(script), script
-        against_ddp_torchrun = CHANGED_FROM_DDP_TORCHRUN.get(script) and changed_lines(script, against="ddp_torchrun.py")
+        against_ddp_torchrun = CHANGED_FROM_DDP_TORCHRUN.get(script) and changed_lines(script, "ddp_torchrun.py")
         assert row.group(2) == str(against_ddp_torchrun or "-"), script
