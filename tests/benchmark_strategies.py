@@ -27,8 +27,8 @@ from conftest import ROOT, command, injected, scalars
 CONFIGS = ["single_gpu.py", "ddp_torchrun.py", "ddp_amp.py --precision bf16", "ddp_amp.py --precision fp16", "fsdp.py",
            "fsdp.py --precision bf16", "pipeline.py --schedule gpipe", "pipeline.py --schedule 1f1b"]
 
-# Every process of the run reports its peak memory as it exits; the torchrun agent and other helpers run another
-# program and stay silent.
+# Every process of the run reports its peak memory as it exits, in one write (the processes' lines would interleave
+# between a print's text and its newline); the torchrun agent and other helpers run another program and stay silent.
 REPORT_PEAK_MEMORY = """
 import atexit, os, resource, sys
 
@@ -37,9 +37,9 @@ def report():
         return
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        print(f"PEAK_MEMORY cuda {torch.cuda.max_memory_allocated()}", flush=True)
+        os.write(1, f"PEAK_MEMORY cuda {torch.cuda.max_memory_allocated()}\\n".encode())
     else:  # ru_maxrss is in KiB on Linux
-        print(f"PEAK_MEMORY rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}", flush=True)
+        os.write(1, f"PEAK_MEMORY rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}\\n".encode())
 
 atexit.register(report)
 """
