@@ -278,7 +278,7 @@ def ignore_stop_signals(worker_id):
 
 # Dense 16-bit peaks from NVIDIA's datasheets (half their "with sparsity" figures); TF32's is half.
 PEAK_FLOPS = {"A100": 312e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
-              "H200": 989e12, "B200": 2250e12}
+              "H200 NVL": 835e12, "H200": 989e12, "B200": 2250e12}
 
 class Meter:
     """The step line and its TensorBoard scalars: loss, learning rate, and the speed since the last
