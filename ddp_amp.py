@@ -404,8 +404,7 @@ def evaluate(model, loader, device):
         totals[2] += targets.numel()
     model.train()
     dist.all_reduce(totals)  # each rank evaluated its share: add up the sums
-    loss_sum, correct, count = totals.tolist()
-    return loss_sum / count, correct / count
+    return (totals[:2] / totals[2]).tolist()  # the mean loss, and accuracy
 
 
 # -- checkpointing ------------------------------------------------------------
@@ -475,9 +474,10 @@ def main(args):
     per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # one forward pass
     train_set, val_set, info = build_datasets(args)
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only
-    if steps_per_epoch == 0 or len(val_set) < world_size:
+    if steps_per_epoch == 0 or len(val_set) < args.batch_size:
         fail(f"{len(train_set)} training and {len(val_set)} validation samples are too few")
-    val_set = Subset(val_set, range(min(len(val_set), args.eval_batches * args.batch_size)))
+    val_batches = min(len(val_set) // args.batch_size, args.eval_batches)  # one shape, one compile
+    val_set = Subset(val_set, range(val_batches * args.batch_size))
     model, config = build_model(args, info)
     flops_per_sample = count_flops(args, info, train_set[0])
     train_model = prepare_model(model, args, device)  # evaluation and checkpoints use `model`

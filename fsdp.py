@@ -241,6 +241,8 @@ def prepare_model(model, args, device):
     """Shard the model in place: each block a unit that FSDP gathers just before it runs and frees
     after, the root the rest; then give each rank's shards their initial values, on this device."""
     n, r = dist.get_world_size(), args.replicate  # --replicate R: R replicas of N/R shards
+    if n % r:
+        fail(f"--replicate {r} does not divide {n} processes evenly")
     mesh = (init_device_mesh(device.type, (n,)) if r == 1 else  # explicit: the default assumes GPUs
             init_device_mesh(device.type, (r, n // r), mesh_dim_names=("replicate", "shard")))
     # bf16: weights gathered and computed in bf16, gradients reduced in fp32 into fp32 shards.
@@ -408,21 +410,15 @@ def evaluate(model, loader, device):
     """Mean loss and accuracy over every prediction in the loader's samples."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
-    # Each forward gathers weights from every rank: all run as many as the rank with the most.
-    num_batches = torch.tensor(len(loader), device=device)
-    dist.all_reduce(num_batches, dist.ReduceOp.MAX)
     for inputs, targets in loader:
         inputs, targets = (t.to(device, non_blocking=True) for t in (inputs, targets))
         outputs = model(inputs)
         totals[0] += loss_fn(outputs, targets, reduction="sum")
         totals[1] += (outputs.argmax(-1) == targets).sum()
         totals[2] += targets.numel()
-    for _ in range(num_batches.item() - len(loader)):  # a batch fewer: its last again, uncounted
-        model(inputs)
     model.train()
     dist.all_reduce(totals)  # each rank evaluated its share: add up the sums
-    loss_sum, correct, count = totals.tolist()
-    return loss_sum / count, correct / count
+    return (totals[:2] / totals[2]).tolist()  # the mean loss, and accuracy
 
 
 # -- checkpointing ------------------------------------------------------------
@@ -492,11 +488,10 @@ def main(args):
     per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # one forward pass
     train_set, val_set, info = build_datasets(args)
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only
-    if steps_per_epoch == 0 or len(val_set) < world_size:
+    if steps_per_epoch == 0 or len(val_set) < args.batch_size:
         fail(f"{len(train_set)} training and {len(val_set)} validation samples are too few")
-    val_set = Subset(val_set, range(min(len(val_set), args.eval_batches * args.batch_size)))
-    if world_size % args.replicate:
-        fail(f"--replicate {args.replicate} does not divide {world_size} processes evenly")
+    val_batches = min(len(val_set) // args.batch_size, args.eval_batches)  # one shape, one compile
+    val_set = Subset(val_set, range(val_batches * args.batch_size))
     with torch.device("meta"):  # shapes, no memory: no process ever holds the whole model
         model, config = build_model(args, info)
     if not hasattr(model, "init_tensor"):  # its values come from its constructor: whole, then shard

@@ -262,6 +262,8 @@ def split_model(model, args, sample):
     if not all(hasattr(model, part) for part in ("embed", "blocks", "output")):
         fail(f"{type(model).__name__} lacks embed(), a ModuleDict named blocks, or output()")
     rank, world_size, stages = dist.get_rank(), dist.get_world_size(), []
+    if args.stages_per_process > 1 and world_size == 1:  # one process has no bubble to shrink
+        fail(f"--stages-per-process {args.stages_per_process} is for several processes")
     num_stages = world_size * args.stages_per_process
     names = list(dict(model.blocks.named_children()))  # "0", "1", ...
     if num_stages > len(names):
@@ -447,11 +449,9 @@ def evaluate(schedule, stages, model, loader, device):
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
     for inputs, targets in loader:
-        # Every pass has the training's shapes: a short last batch repeats samples, uncounted.
-        inputs = inputs[torch.arange(loader.batch_size) % len(inputs)]
         outputs = schedule.step(*[inputs.to(device, non_blocking=True)] if rank == 0 else [])
         if rank == last:
-            outputs, targets = outputs[:len(targets)], targets.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
             totals[0] += loss_fn(outputs, targets, reduction="sum")
             totals[1] += (outputs.argmax(-1) == targets).sum()
             totals[2] += targets.numel()
@@ -459,8 +459,7 @@ def evaluate(schedule, stages, model, loader, device):
     for stage in stages:
         stage.clear_runtime_states()  # else the last stage holds a batch of outputs until the next
     dist.broadcast(totals, src=last)
-    loss_sum, correct, count = totals.tolist()
-    return loss_sum / count, correct / count
+    return (totals[:2] / totals[2]).tolist()  # the mean loss, and accuracy
 
 
 # -- checkpointing ------------------------------------------------------------
@@ -526,15 +525,14 @@ def main(args):
                         stream=sys.stdout)  # the console and TensorBoard: rank 0's alone
     if args.batch_size % args.grad_accum:
         fail(f"--batch-size {args.batch_size} does not divide into --grad-accum {args.grad_accum}")
-    if args.stages_per_process > 1 and world_size == 1:  # one process has no bubble to shrink
-        fail(f"--stages-per-process {args.stages_per_process} is for several processes")
     if args.compile and args.schedule == "zero-bubble":  # it splits each backward in two
         fail("--compile and --schedule zero-bubble do not mix: a compiled backward cannot be split")
     train_set, val_set, info = build_datasets(args)
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only
-    if steps_per_epoch == 0 or len(val_set) < world_size:
+    if steps_per_epoch == 0 or len(val_set) < args.batch_size:
         fail(f"{len(train_set)} training and {len(val_set)} validation samples are too few")
-    val_set = Subset(val_set, range(min(len(val_set), args.eval_batches * args.batch_size)))
+    val_batches = min(len(val_set) // args.batch_size, args.eval_batches)  # one shape, one compile
+    val_set = Subset(val_set, range(val_batches * args.batch_size))
     with torch.device("meta"):  # shapes, no memory: no process ever holds the whole model
         model, config = build_model(args, info)
     flops_per_sample = count_flops(args, info, train_set[0])

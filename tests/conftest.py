@@ -31,9 +31,9 @@ LAUNCHER = ROOT / "launch_distributed.sh"
 
 # A tiny model and a short run: seconds on two shared cores, with gradient accumulation (so DDP's
 # no_sync path runs), a checkpoint half-way, and a validation pass at steps 0, 8 and 16. tiny.txt holds
-# 50 sequences of 16 bytes: 45 to train on, epochs of 5 steps, so a run crosses epoch boundaries at
-# steps 5, 10 and 15 and resumes mid-epoch at 8; and 5 to validate on, which 2 ranks cannot split
-# evenly. A seed other than 0, the default, shows a script that drops --seed somewhere.
+# 93 sequences of 16 bytes: 84 to train on, epochs of 10 steps, so a run resumes mid-epoch at 8 and
+# then crosses an epoch boundary at 10; and 9 to validate on, of which the scripts keep the whole
+# batch of 8. A seed other than 0, the default, shows a script that drops --seed somewhere.
 STEPS = 16
 TINY_BUILT_IN = ["--seq-len", "16", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--batch-size", "8",
                  "--grad-accum", "2", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "2", "--eval-every", "8",

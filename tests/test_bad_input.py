@@ -81,8 +81,8 @@ def test_fsdp_replicas_must_divide_the_processes():
 
 
 def test_too_few_samples(tmp_path):
-    # tiny.txt's 45 training sequences make no batch of 64; 10 sequences leave 1 to validate on, and 2 ranks.
-    refused("single_gpu.py", ["--batch-size", 64], "45 training and 5 validation samples are too few")
+    # tiny.txt's 9 validation sequences make no whole batch of 64; 10 sequences leave 1 to validate on.
+    refused("single_gpu.py", ["--batch-size", 64], "84 training and 9 validation samples are too few")
     data = tmp_path / "ten.txt"
     data.write_bytes((ROOT / "tests" / "tiny.txt").read_bytes()[:10 * 16 + 1])
     refused("ddp_torchrun.py", ["--data", data], "9 training and 1 validation samples are too few")

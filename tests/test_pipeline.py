@@ -1,5 +1,5 @@
 """pipeline.py: every schedule reaches single_gpu.py's weights and losses, on one stage per process or two, validation
-through the stages is exact with a short last batch, a checkpoint resumes on another number of stages, compiled and
+through the stages is exact, a checkpoint resumes on another number of stages, compiled and
 recomputed stages train as the plain ones do, and what cannot be split is refused. The parametrized tests
 (training, resume, bad input, preemption) run it too."""
 
@@ -56,14 +56,6 @@ def test_two_stages_per_process_train_like_single_gpu(tmp_path):
     assert difference <= PARAM_ATOL
 
 
-def test_validation_is_exact_with_a_short_last_batch(trained):
-    """TINY's 5 validation samples fill neither a batch of 8 nor its 2 micro-batches of 4: every pass runs the
-    training's shapes, and the last stage counts only the real samples. Step 0's weights are the same in both runs."""
-    expected, got = scalars(trained["single_gpu.py"].log_dir), scalars(trained["pipeline.py"].log_dir)
-    assert got["val/loss"][0] == pytest.approx(expected["val/loss"][0], rel=1e-6, abs=0)
-    assert got["val/accuracy"][0] == expected["val/accuracy"][0]
-
-
 def test_a_checkpoint_resumes_on_another_number_of_stages(trained, halfway, tmp_path):
     """Two stages' checkpoint at step 8 resumed by one process that holds the whole model (torchrun with one
     process): each stage wrote its tensors under the whole model's names. It ends on the uninterrupted run's weights."""
@@ -95,9 +87,10 @@ def test_a_model_without_its_parts_is_refused():
 
 
 def test_compiled_stages_train_like_eager(trained, tmp_path):
-    """--compile compiles each stage's module: like eager, within PARAM_ATOL."""
+    """--compile compiles each stage's module: like eager, within PARAM_ATOL; compiled for evaluation (no autograd)
+    and once more for training, never for a batch's shape."""
     recompiles = trains_compiled_like_eager("pipeline.py", trained["pipeline.py"], tmp_path)
-    assert all(count <= 2 for count in recompiles), recompiles
+    assert recompiles == [1, 1]
 
 
 # Run in every rank: how many times attention ran with autograd recording, on real tensors (not split_model's or

@@ -15,7 +15,7 @@ from conftest import (ROOT, STEPS, TINY, Run, adam_state, checkpoints, command, 
                       run, tagged_processes)
 
 STOPPED = 75  # the scripts' status after a stop (EX_TEMPFAIL): saved, to be run again
-HOLD_STEP = 6  # mid-epoch (5 steps an epoch), before the first checkpoint at step 8
+HOLD_STEP = 6  # mid-epoch (10 steps an epoch), before the first checkpoint at step 8
 
 # Injected (hold()): process HOLD_RANK holds its optimizer step HOLD_STEP until a stop signal has reached it, so that
 # the signal lands in that step whatever the timing, once (a run started again, by a requeue, holds nothing); and each

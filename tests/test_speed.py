@@ -101,12 +101,12 @@ def test_fp32_matmuls_may_use_tf32_on_cuda(script):
 
 
 def test_compiled_ddp_trains_like_eager(trained, tmp_path):
-    """Two processes, the model compiled before DDP wraps it: like eager. Compiled once for training and, at the
-    first evaluation, for evaluation (no autograd), and rank 0 once more for its short last validation batch (3
-    of the 5 sequences, in batches of 2): at most 2 recompiles per rank. An evaluation that recompiled every pass
-    would add more at steps 8 and 16."""
+    """Two processes, the model compiled before DDP wraps it: like eager. Compiled at the first evaluation (no
+    autograd), then once more for training, and never again: TINY's 9 validation sequences, which no batch of 8
+    divides, are cut to the whole batch, so no pass has a shape of its own (a short last batch recompiled the
+    model with a dynamic batch size, and training then ran that graph)."""
     recompiles = trains_compiled_like_eager("ddp_torchrun.py", trained["ddp_torchrun.py"], tmp_path)
-    assert all(1 <= count <= 2 for count in recompiles), recompiles
+    assert recompiles == [1, 1]
 
 
 @pytest.mark.parametrize("script", ["single_gpu.py", "fsdp.py"])

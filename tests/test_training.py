@@ -93,7 +93,7 @@ def test_same_parameters_and_losses_as_single_gpu(trained, script):
 @pytest.mark.parametrize("script", DISTRIBUTED)
 def test_validation_is_exact_across_ranks(trained, script):
     """Step 0: every script holds the same initial weights, so 1 and 2 processes must agree on the whole validation
-    split (5 sequences, which 2 ranks cannot split evenly: one rank evaluates 3, the other 2)."""
+    split (of TINY's 9 sequences the whole batch of 8: 4 on each rank, and in pipeline.py all 8 through the stages)."""
     reference, other = trained["single_gpu.py"], trained[script]
     expected, got = scalars(reference.log_dir), scalars(other.log_dir)
     # Only the grouping of the fp32 per-batch sums differs (accumulated in fp64).
