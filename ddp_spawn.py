@@ -238,6 +238,8 @@ def prepare_model(model, args, device):
     init_weights(model, args.seed)
     model.to(device)
     if args.compile:
+        # DDP cuts the compiled graph at its buckets to overlap all-reduces: alone, none to overlap.
+        torch._dynamo.config.optimize_ddp = dist.get_world_size() > 1
         model.compile()
     # The strategy: rank 0's weights are copied to every rank now, and each backward() averages the
     # gradients across ranks, bucket by bucket as they are computed.
@@ -376,7 +378,7 @@ def train_step(model, optimizer, scheduler, micro_batches, args, device):
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     optimizer.step()
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=False)  # the gradients stay views of DDP's buckets: no copy
     return total_loss
 
 def weights_are_finite(model):

@@ -44,6 +44,10 @@ DELETIONS = [
      "speed only: without no_sync every micro-step all-reduces, and the sum is the same up to rounding"),
     ("ddp_torchrun.py", "val_set = Subset(val_set, range(rank, len(val_set), world_size))", None,
      "speed only: every rank evaluates every sample, and the all-reduced sums and counts double alike"),
+    ("ddp_torchrun.py", "optimizer.zero_grad(set_to_none=False)", "optimizer.zero_grad(set_to_none=True)",
+     "speed only: DDP copies each new gradient into its bucket, the same values"),
+    ("ddp_torchrun.py", "torch._dynamo.config.optimize_ddp = dist.get_world_size() > 1", None,
+     "speed only: in a world of one the compiled graph is cut at DDP's buckets, for the same result"),
     # Checkpoints: the one section every script shares.
     ("single_gpu.py", "for old in complete_checkpoints(args.ckpt_dir)[:-args.keep_checkpoints]:", "for old in []:",
      f"{TRAINING}::test_keep_checkpoints_keeps_the_newest_complete_ones_and_a_crash_mid_save_is_skipped"),

@@ -14,11 +14,12 @@ SECTION = re.compile(r"^# -- (\w[\w ]*\w) -+$", re.MULTILINE)
 SIBLING_IMPORT = re.compile(rf"^\s*(from|import)\s+({'|'.join(script[:-3] for script in SCRIPTS)})\b", re.MULTILINE)
 # Lines changed against single_gpu.py, both sides counted, as `diff single_gpu.py X.py | grep -c '^[<>]'`: issue
 # 43's targets where they are met, today's counts where no target was set (ddp_spawn.py, ddp_amp.py and fsdp.py are
-# held exactly against ddp_torchrun.py below). ddp_torchrun.py's target is 60: today 69.
-MAX_CHANGED_LINES = {"dataparallel.py": 25, "ddp_spawn.py": 94, "ddp_torchrun.py": 69, "ddp_amp.py": 88,
-                     "fsdp.py": 107, "pipeline.py": 250}
+# held exactly against ddp_torchrun.py below). ddp_torchrun.py's target is 60: 69 after issue 43, and 73 with issue
+# 44's gradients kept as DDP's bucket views and no graph cuts in a world of one.
+MAX_CHANGED_LINES = {"dataparallel.py": 25, "ddp_spawn.py": 98, "ddp_torchrun.py": 73, "ddp_amp.py": 92,
+                     "fsdp.py": 112, "pipeline.py": 250}
 # Scripts derived from ddp_torchrun.py, and their exact diff against it (issue 43's targets: 40, 35 and 90).
-CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 37, "ddp_amp.py": 29, "fsdp.py": 62}
+CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 37, "ddp_amp.py": 29, "fsdp.py": 66}
 # The strategy's own call, which `diff -u` must show within its first 80 lines: a reader meets it on the first page,
 # not after the plumbing.
 STRATEGY_CALL = {"dataparallel.py": ("single_gpu.py", "DataParallel("),
