@@ -1,6 +1,6 @@
 """Train a small GPT with FSDP2: each of N processes holds 1/N of the weights, gradients and AdamW.
 
-    torchrun --standalone --nproc_per_node=2 fsdp.py             # --precision bf16 computes in bf16
+    torchrun --standalone --nproc_per_node=2 fsdp.py             # --precision bf16 or fp16: 16 bits
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
         --rdzv-id=JOB fsdp.py --replicate 2                       # shard in nodes, replicate across
     tensorboard --logdir runs                     # loss, accuracy, learning rate, throughput
@@ -83,9 +83,12 @@ def parse_args():
     flag("--compile", action="store_true", help="torch.compile the model")
     flag("--profile", action="store_true", help="trace steps 7 to 9 into --log-dir")
     flag("--timeout", type=number(float), default=300, help="seconds to wait for a stuck rank")
-    flag("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: compute in bf16")
+    flag("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="fp16: loss scaling")
     flag("--replicate", type=number(int), default=1, help="R groups that each shard the model")
     flag("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
+    flag("--local-rank", "--local_rank", help=argparse.SUPPRESS)  # torch.distributed.launch adds it
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1 and "RANK" not in os.environ:
+        fail("srun started several tasks, not torchrun: start one torchrun per node under srun")
     add_data_args(parser.add_argument_group("data"))
     add_model_args(parser.add_argument_group("model"))
     args = parser.parse_args()
@@ -245,8 +248,8 @@ def prepare_model(model, args, device):
         fail(f"--replicate {r} does not divide {n} processes evenly")
     mesh = (init_device_mesh(device.type, (n,)) if r == 1 else  # explicit: the default assumes GPUs
             init_device_mesh(device.type, (r, n // r), mesh_dim_names=("replicate", "shard")))
-    # bf16: weights gathered and computed in bf16, gradients reduced in fp32 into fp32 shards.
-    param_dtype = torch.bfloat16 if args.precision == "bf16" else None
+    # 16 bits: weights gathered and computed in 16 bits, gradients reduced in fp32 into fp32 shards.
+    param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     for block in model.blocks.values() if hasattr(model, "blocks") else []:
         if args.activation_checkpointing:  # keeps the block's input alone; backward recomputes
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -381,18 +384,20 @@ def configure_optimizer(model, args):
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
-def train_step(model, optimizer, scheduler, micro_batches, args, device):
+def train_step(model, optimizer, scheduler, scaler, micro_batches, args, device):
     """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor:
     reading it (.item()) would wait for the GPU, so only logging steps do."""
     total_loss = torch.zeros((), device=device)
     for micro_step in range(args.grad_accum):
         inputs, targets = (t.to(device, non_blocking=True) for t in next(micro_batches))
         loss = loss_fn(model(inputs), targets) / args.grad_accum
-        loss.backward()  # reduce-scatters: each rank keeps its shard of the gradients
+        scaler.scale(loss).backward()  # reduce-scatters: each rank keeps its gradients' shard
         total_loss += loss.detach()
+    scaler.unscale_(optimizer)  # the true gradients, to clip; an inf on any rank's shard counts
     if args.grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    optimizer.step()
+    scaler.step(optimizer)  # fp16: skipped if a gradient is inf or NaN
+    scaler.update()  # fp16: halves the scale after a skip, doubles it after 2000 steps without
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return total_loss
@@ -499,7 +504,8 @@ def main(args):
     flops_per_sample = count_flops(args, info, train_set[0])
     train_model = prepare_model(model, args, device)  # evaluation and checkpoints use `model`
     optimizer, scheduler = configure_optimizer(model, args)
-    others = {"scheduler": scheduler}  # checkpointed beside the model and the optimizer
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+    others = {"scheduler": scheduler, "scaler": scaler}  # checkpointed beside the model
     log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters on {device} | global "
              f"batch {args.batch_size} = {per_process_batch_size} x {args.grad_accum} micro-batches"
              f" x {world_size} processes")
@@ -527,7 +533,8 @@ def main(args):
                 sampler.set_epoch(step // steps_per_epoch)  # epoch's order, the same on every rank
                 train_loader.sampler.start = step % steps_per_epoch * args.batch_size // world_size
                 micro_batches = iter(train_loader)
-            loss = train_step(train_model, optimizer, scheduler, micro_batches, args, device)
+            loss = train_step(train_model, optimizer, scheduler, scaler, micro_batches, args,
+                              device)
             step += 1
             if args.profile:
                 profiler.step()

@@ -81,10 +81,13 @@ def parse_args():
     flag("--seed", type=int, default=0)
     flag("--compile", action="store_true", help="torch.compile the model")
     flag("--profile", action="store_true", help="trace steps 7 to 9 into --log-dir")
-    flag("--timeout", type=number(float), default=300, help="seconds to wait for a stuck rank")
     flag("--schedule", choices=["gpipe", "1f1b", "zero-bubble"], default="1f1b")
     flag("--stages-per-process", type=number(int), default=1, help="stages, on processes in turn")
     flag("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
+    flag("--timeout", type=number(float), default=300, help="seconds to wait for a stuck rank")
+    flag("--local-rank", "--local_rank", help=argparse.SUPPRESS)  # torch.distributed.launch adds it
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1 and "RANK" not in os.environ:
+        fail("srun started several tasks, not torchrun: start one torchrun per node under srun")
     add_data_args(parser.add_argument_group("data"))
     add_model_args(parser.add_argument_group("model"))
     args = parser.parse_args()
@@ -239,8 +242,7 @@ def setup(args):
 def prepare_model(model, args, device, sample):
     """This rank's stages, each sending activations on and gradients back, and their schedules."""
     stages, num_stages = split_model(model, args, sample)  # this rank's: (s, module, input, output)
-    train_stages, eval_stages = ([PipelineStage(module, s, num_stages, device, input_args=inputs,
-                                                output_args=outputs)
+    train_stages, eval_stages = ([PipelineStage(module, s, num_stages, device, inputs, outputs)
                                   for s, module, inputs, outputs in stages] for _ in range(2))
     model.to_empty(device=device)  # allocates this rank's stages, uninitialised
     init_weights(model, args.seed)
@@ -449,9 +451,9 @@ def evaluate(schedule, stages, model, loader, device):
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
     for inputs, targets in loader:
-        outputs = schedule.step(*[inputs.to(device, non_blocking=True)] if rank == 0 else [])
+        inputs, targets = (t.to(device, non_blocking=True) for t in (inputs, targets))
+        outputs = schedule.step(*[inputs] if rank == 0 else [])  # the first stage takes the inputs
         if rank == last:
-            targets = targets.to(device, non_blocking=True)
             totals[0] += loss_fn(outputs, targets, reduction="sum")
             totals[1] += (outputs.argmax(-1) == targets).sum()
             totals[2] += targets.numel()

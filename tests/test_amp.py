@@ -1,5 +1,6 @@
-"""ddp_amp.py: mixed precision close to fp32, a loss scaler that skips an overflowing step without moving anything,
-exact resumes with the scale included, and checkpoints that move to and from ddp_torchrun.py."""
+"""ddp_amp.py, and fsdp.py in fp16: mixed precision close to fp32, a loss scaler that skips an overflowing step on
+every rank without moving anything, exact resumes with the scale included, and checkpoints that move to and from
+ddp_torchrun.py."""
 
 import shutil
 
@@ -14,24 +15,33 @@ from conftest import HALF, STEPS, TINY, WARNING, adam_state, injected, load, res
 # (and 9e-4 and 2e-5 for runs handed on half-way to and from ddp_torchrun.py). fp16 keeps 11 bits: the same bound
 # holds.
 LOSS_RTOL = 2**-8
-# The step (counted from 0) whose first micro-batch on rank 1 overflows: AdamW has moments by then, to keep.
+# The step (counted from 0) that overflows on rank 1: AdamW has moments by then, to keep.
 OVERFLOW_STEP = 2
 
-# Run in every process of a run. On rank 1, the first micro-batch of step OVERFLOW_STEP has its loss scaled by
-# inf (its gradients turn inf and NaN, and DDP's all-reduce carries them to every rank); after each step's
-# scaler.update(), the process saves the weights, AdamW's state and the scale it holds to SNAPSHOT_DIR.
+# Run in every process of a run. Under DDP, rank 1's first micro-batch of step OVERFLOW_STEP has its loss scaled
+# by inf (its gradients turn inf and NaN, and DDP's all-reduce carries them to every rank). Under FSDP, where each
+# rank holds a shard of the gradients, an inf is written into rank 1's shard of the first parameter alone, after
+# the reduce-scatter: rank 0's own shards stay finite, and it must skip the step all the same. After each step's
+# scaler.update(), each process saves its weights, AdamW's state (its shards, under FSDP) and scale to SNAPSHOT_DIR.
 OVERFLOW = """
 import os, torch
 from torch.amp import GradScaler
 
 rank, at, grad_accum = int(os.environ.get("RANK", -1)), int(os.environ["OVERFLOW_STEP"]), 2  # TINY's
-scale, step, update = GradScaler.scale, GradScaler.step, GradScaler.update
+scale, unscale, step, update = GradScaler.scale, GradScaler.unscale_, GradScaler.step, GradScaler.update
 calls, optimizers, updates = [], [], []
+local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard
 
 def overflowing_scale(self, outputs):
     calls.append(1)
     scaled = scale(self, outputs)
-    return scaled * float("inf") if rank == 1 and len(calls) == at * grad_accum + 1 else scaled
+    loss = os.environ["OVERFLOW_IN"] == "loss" and rank == 1 and len(calls) == at * grad_accum + 1
+    return scaled * float("inf") if loss else scaled
+
+def overflowing_unscale(self, optimizer):
+    if os.environ["OVERFLOW_IN"] == "shard" and rank == 1 and len(updates) == at:
+        local(optimizer.param_groups[0]["params"][0].grad).view(-1)[0] = float("inf")
+    return unscale(self, optimizer)
 
 def noting_step(self, optimizer, *args, **kwargs):
     optimizers[:] = [optimizer]
@@ -40,62 +50,72 @@ def noting_step(self, optimizer, *args, **kwargs):
 def snapshotting_update(self, *args, **kwargs):
     update(self, *args, **kwargs)
     params = [p for group in optimizers[0].param_groups for p in group["params"]]
-    state = [{k: v.clone() for k, v in optimizers[0].state[p].items()} for p in params]
-    torch.save({"weights": [p.detach().clone() for p in params], "adamw": state, "scale": self.get_scale()},
+    state = [{k: local(v).clone() for k, v in optimizers[0].state[p].items()} for p in params]
+    torch.save({"weights": [local(p.detach()).clone() for p in params], "adamw": state, "scale": self.get_scale()},
                os.path.join(os.environ["SNAPSHOT_DIR"], f"rank{rank}-step{len(updates)}.pt"))
     updates.append(1)
 
-GradScaler.scale, GradScaler.step, GradScaler.update = overflowing_scale, noting_step, snapshotting_update
+GradScaler.scale, GradScaler.unscale_ = overflowing_scale, overflowing_unscale
+GradScaler.step, GradScaler.update = noting_step, snapshotting_update
 """
+# Each script's fp16, and where its overflow is injected.
+FP16 = {"ddp_amp.py": ("loss", "ddp_torchrun.py"), "fsdp.py": ("shard", "fsdp.py")}
 
 
 def final_loss(log_dir):
     return scalars(log_dir)["train/loss"][STEPS]
 
 
-@pytest.fixture(scope="module")
-def fp16(tmp_path_factory):
-    """ddp_amp.py --precision fp16 on `trained`'s config."""
+@pytest.fixture(scope="module", params=FP16)
+def fp16(request, tmp_path_factory):
+    """The script with --precision fp16 on `trained`'s config."""
     out = tmp_path_factory.mktemp("fp16")
-    result = run("ddp_amp.py", *TINY, "--max-steps", STEPS, "--precision", "fp16", "--log-dir", out / "tb")
+    result = run(request.param, *TINY, "--max-steps", STEPS, "--precision", "fp16", "--log-dir", out / "tb")
     assert result.returncode == 0, result.output
-    return result, out / "tb"
+    return request.param, result, out / "tb"
 
 
-@pytest.fixture(scope="module")
-def overflowed(tmp_path_factory):
-    """ddp_amp.py --precision fp16 for STEPS steps whose step OVERFLOW_STEP overflows on rank 1, with a snapshot
-    of each rank's training state after every step, and its checkpoints at HALF and STEPS kept."""
+@pytest.fixture(scope="module", params=FP16)
+def overflowed(request, tmp_path_factory):
+    """The script with --precision fp16 for STEPS steps whose step OVERFLOW_STEP overflows on rank 1, with a
+    snapshot of each rank's training state after every step, and its checkpoints at HALF and STEPS kept."""
     out = tmp_path_factory.mktemp("overflowed")
     (out / "site").mkdir()
     (out / "snapshots").mkdir()
     env = {**injected(out / "site", OVERFLOW), "OVERFLOW_STEP": str(OVERFLOW_STEP),
-           "SNAPSHOT_DIR": str(out / "snapshots")}
-    result = run("ddp_amp.py", *TINY, "--max-steps", STEPS, "--precision", "fp16", "--keep-checkpoints", 2,
+           "OVERFLOW_IN": FP16[request.param][0], "SNAPSHOT_DIR": str(out / "snapshots")}
+    result = run(request.param, *TINY, "--max-steps", STEPS, "--precision", "fp16", "--keep-checkpoints", 2,
                  "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb", env=env)
     assert result.returncode == 0, result.output
-    return result, out
+    return request.param, out
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_close_to_fp32(trained, fp16, precision):
-    """The loss at the end is within bf16's rounding of ddp_torchrun.py's in fp32, and not fp32's: the 16-bit
-    computation happened."""
-    if precision == "bf16":  # the default: the shared run
-        result, log_dir = trained["ddp_amp.py"].run, trained["ddp_amp.py"].log_dir
-    else:
-        result, log_dir = fp16
+def test_bf16_close_to_fp32(trained):
+    """ddp_amp.py's default: the loss at the end is within bf16's rounding of ddp_torchrun.py's in fp32, and not
+    fp32's: the 16-bit computation happened."""
+    close_to_fp32("ddp_amp.py bf16", trained["ddp_amp.py"].run, trained["ddp_amp.py"].log_dir,
+                  trained["ddp_torchrun.py"].log_dir)
+
+
+def test_fp16_close_to_fp32(trained, fp16):
+    """fp16 with loss scaling: as close to the same script's fp32 (fsdp.py's own; ddp_torchrun.py's for ddp_amp.py)."""
+    script, result, log_dir = fp16
+    close_to_fp32(f"{script} fp16", result, log_dir, trained[FP16[script][1]].log_dir)
+
+
+def close_to_fp32(what, result, log_dir, fp32_log_dir):
     assert result.returncode == 0 and not WARNING.search(result.output), result.output
-    expected, got = final_loss(trained["ddp_torchrun.py"].log_dir), final_loss(log_dir)
+    expected, got = final_loss(fp32_log_dir), final_loss(log_dir)
     gap = abs(got - expected) / expected
-    print(f"{precision}: train loss {got:.6f} at step {STEPS}, fp32 {expected:.6f}: relative gap {gap:.2g}")
+    print(f"{what}: train loss {got:.6f} at step {STEPS}, fp32 {expected:.6f}: relative gap {gap:.2g}")
     assert 0 < gap <= LOSS_RTOL
 
 
 def test_an_overflowing_step_changes_nothing_and_halves_the_scale(overflowed):
-    """One rank's inf reaches every rank's gradients: every rank skips the step, with every weight and every AdamW
-    moment and step count as they were, the scale halves, and the next step trains again."""
-    _, out = overflowed
+    """One rank's inf is every rank's: every rank skips the step, with every weight and every AdamW moment and
+    step count as they were (under FSDP each rank's own shards, and rank 0's gradients were finite), the scale
+    halves on every rank, and the next step trains again."""
+    script, out = overflowed
     snapshots = {(rank, step): torch.load(out / "snapshots" / f"rank{rank}-step{step}.pt", weights_only=True)
                  for rank in range(2) for step in range(OVERFLOW_STEP - 1, OVERFLOW_STEP + 2)}
 
@@ -111,7 +131,7 @@ def test_an_overflowing_step_changes_nothing_and_halves_the_scale(overflowed):
             assert same(before[what], skipped[what], what), (rank, what)
             assert not same(skipped[what], after[what], what), (rank, what)  # the next step is taken
         assert (before["scale"], skipped["scale"], after["scale"]) == (2.0**16, 2.0**15, 2.0**15), rank
-    for step in range(OVERFLOW_STEP - 1, OVERFLOW_STEP + 2):  # the ranks stay replicas
+    for step in range(OVERFLOW_STEP - 1, OVERFLOW_STEP + 2) if script == "ddp_amp.py" else []:  # replicas
         assert same(snapshots[0, step]["weights"], snapshots[1, step]["weights"], "weights"), step
     assert load(out / "ckpt")["scaler"]["scale"] == 2.0**15  # and no skip since: the run trained on
 
@@ -119,10 +139,10 @@ def test_an_overflowing_step_changes_nothing_and_halves_the_scale(overflowed):
 def test_resume_matches_an_uninterrupted_run_bit_for_bit(overflowed, tmp_path):
     """Resumed from the overflowed run's step HALF, fp16 ends with its weights, AdamW state, schedule and loss
     scaler (halved before HALF, where a fresh scaler would start at 2^16 again), bit for bit."""
-    _, out = overflowed
+    script, out = overflowed
     ckpt_dir = tmp_path / "ckpt"
     shutil.copytree(out / "ckpt" / f"step-{HALF:06d}", ckpt_dir / f"step-{HALF:06d}")
-    result = run("ddp_amp.py", *TINY, "--max-steps", STEPS, "--precision", "fp16", "--ckpt-dir", ckpt_dir,
+    result = run(script, *TINY, "--max-steps", STEPS, "--precision", "fp16", "--ckpt-dir", ckpt_dir,
                  "--log-dir", tmp_path / "tb")
     assert result.returncode == 0, result.output
     assert f"resumed from {ckpt_dir / f'step-{HALF:06d}'} at step {HALF}" in result.output, result.output

@@ -2,11 +2,13 @@
 checks communication, refuses a bad environment at once, and builds SLURM's command lines."""
 
 import os
+import sys
 
 import pytest
 import torch
 
-from conftest import STEPS, TINY, WARNING, adam_state, injected, launch, load
+from conftest import (ROOT, STEPS, TINY, WARNING, adam_state, injected, launch, load,
+                      run_command)
 
 # Injected (conftest.injected): rank 1 kills itself (SIGKILL) in step 10 of the job's first try, once step 8's
 # checkpoint is complete: the newest, from which torchrun's restart must resume.
@@ -152,3 +154,27 @@ def test_dry_run_in_slurm_allocation(tmp_path, cpus, expected):
     note = ("launch_distributed.sh: note: this job holds 1 CPU(s) per node for 4 processes each; ask sbatch for more "
             "with --cpus-per-task=N (or --exclusive)")
     assert (note in result.output) == (expected < 4), result.output
+
+
+def test_the_classic_launch_command_trains_like_torchrun(trained, tmp_path):
+    """`python -m torch.distributed.launch` (every classic guide's command; deprecated, and passing --local-rank=N to
+    each process unless --use-env): the scripts take the flag, hidden, and train as under torchrun."""
+    result = run_command([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2",
+                          str(ROOT / "ddp_torchrun.py"), *map(str, train_flags(tmp_path))])
+    assert result.returncode == 0, result.output
+    assert "--local-rank" not in run_command([sys.executable, ROOT / "ddp_torchrun.py", "--help"]).output
+    assert_same_state(tmp_path / "ckpt", trained["ddp_torchrun.py"])
+
+
+@pytest.mark.parametrize("script", ["ddp_torchrun.py", "ddp_spawn.py"])
+def test_srun_without_torchrun_is_refused_in_one_line(script, tmp_path):
+    """`srun --ntasks=2 python SCRIPT`: each task has SLURM's variables and no torchrun's. Left alone, each would
+    train as a world of its own into the one --ckpt-dir; each refuses instead, before it writes anything. The other
+    torchrun scripts hold the same lines (test_structure.py holds ddp_amp.py's and fsdp.py's to ddp_torchrun.py's;
+    pipeline.py's are a copy)."""
+    slurm = {"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
+    result = run_command([sys.executable, ROOT / script, *map(str, train_flags(tmp_path))], env=slurm, timeout=60)
+    assert result.returncode != 0, result.output
+    assert result.output.splitlines()[-1] == (f"{script}: error: srun started several tasks, not torchrun: start "
+                                              "one torchrun per node under srun"), result.output
+    assert not (tmp_path / "ckpt").exists()
