@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py"]
 DISTRIBUTED = ["ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py"]
-TORCHRUN = ["ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py"]  # started by torchrun: plain python is a world of one
+TORCHRUN = ["ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py"]  # started by torchrun (or its old launch)
 # The scripts that compute in fp32 (fsdp.py by default, pipeline.py always) and so reach single_gpu.py's numbers
 # within PARAM_ATOL.
 # ddp_amp.py computes in 16 bits: tests/test_amp.py holds it to fp32 within a bound that bf16's precision sets.
@@ -323,9 +323,9 @@ def fails_cleanly(script, args, message, timeout=60, flags=TINY, nproc=2, env=No
 
 def trains_compiled_like_eager(script, eager, tmp_path):
     """Train `script` with --compile as `eager` trained without, and check what every --compile claims: the weights
-    within PARAM_ATOL of the eager run's (Inductor's fused kernels add in another order), the same checkpoint keys,
-    and each checkpoint loading into the other mode (strictly: every key must match; both runs are finished, so they
-    load it and stop). Returns each rank's number of recompiles."""
+    within PARAM_ATOL of the eager run's (Inductor's fused kernels add in another order), and the same checkpoint
+    keys (no "_orig_mod." prefix), so that either mode's checkpoint loads into the other: DCP loads by key, in the
+    checkpointing section every script shares. Returns each rank's number of recompiles."""
     ckpt_dir = tmp_path / "ckpt"
     result = run(script, *TINY, "--max-steps", STEPS, "--compile", "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb",
                  env={"TORCH_LOGS": "recompiles"}, timeout=600)
@@ -339,8 +339,4 @@ def trains_compiled_like_eager(script, eager, tmp_path):
     recompiles = [len(re.findall(rf"^\[rank{rank}\]:.*Recompiling function", result.output, re.MULTILINE))
                   for rank in range(2)]
     print(f"{script} --compile: recompiles per rank {recompiles}")
-    for ckpt, flags in [(ckpt_dir, []), (eager.ckpt_dir, ["--compile"])]:
-        again = run(script, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt, "--log-dir", tmp_path / "tb2", *flags)
-        assert again.returncode == 0, again.output
-        assert f"resumed from {checkpoints(ckpt)[-1]} at step {STEPS}" in again.output, again.output
     return recompiles
