@@ -1,20 +1,24 @@
-"""What a checkpoint costs the training loop: single_gpu.py on a 201.7M-parameter GPT (2.4 GB of weights and AdamW
-state), saving every 2 of 8 steps by default with torch's distributed checkpoint in the background (dcp.async_save:
-the loop waits for the write before, and for the copy of the state to host memory; a thread writes the copy), and
-without saving. Prints how long each save stopped the loop, and of that the wait for the write before; how long the
-run waited at its end for the last write; the run's wall time and the process's peak resident memory. A benchmark
-that prints figures, not a test (pytest does not collect it).
+"""What a checkpoint costs the training: a script (single_gpu.py by default) on a 201.7M-parameter GPT (2.4 GB of
+weights and AdamW state), saving every 2 of 8 steps by default with torch's distributed checkpoint in the background
+(dcp.async_save: the loop waits for the write before, and for the copy of the state to host memory; DCP writes the
+copy from a thread, or in ddp_torchrun.py from a process of its own), synchronously (each save waited for at once),
+and without saving. Prints how long each save stopped the loop, and of that the wait for the write before; how long
+the run waited at its end for the last write; the run's wall time, what saving added to it, and that as a share of
+what synchronous saves added; and the process's peak resident memory. A benchmark that prints figures, not a test
+(pytest does not collect it).
 
     python tests/benchmark_checkpoint.py                     # on this machine: a GPU if there is one
+    python tests/benchmark_checkpoint.py --script ddp_torchrun.py    # a world of one, DCP's writer a process
     python tests/benchmark_checkpoint.py --ckpt-dir /scratch # where the checkpoints go: the disk matters
     python tests/benchmark_checkpoint.py --max-steps 1500 --ckpt-every 500   # a GPU: time for each write to end
 
 Each config runs in a process of its own, which imports the script, times its save_checkpoint and
-wait_for_checkpoint, and runs its main().
+wait_for_checkpoint, and runs its main() (ddp_torchrun.py's in a process group of one, as torchrun would start it).
 """
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -25,20 +29,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import import_script
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 MODEL = ["--d-model", "1024", "--n-layers", "16", "--n-heads", "8", "--seq-len", "32", "--batch-size", "8"]
-CONFIGS = ["no checkpoints", "in the background"]
+CONFIGS = ["no checkpoints", "synchronous", "in the background"]
 
 
-def child(config, ckpt_dir, ckpt_every, flags):
-    """Run single_gpu.py's main() in this process with save_checkpoint and wait_for_checkpoint timed; print the
+def child(script, config, ckpt_dir, ckpt_every, flags):
+    """Run the script's main() in this process with save_checkpoint and wait_for_checkpoint timed; print the
     figures as one JSON line."""
-    module = import_script("single_gpu.py")
+    module = import_script(script)
     save, wait, stalls, waits, in_save = module.save_checkpoint, module.wait_for_checkpoint, [], [], [False]
 
     def timed_save(*args, **kwargs):
         start, in_save[0] = time.perf_counter(), True
         result = save(*args, **kwargs)
+        if config == "synchronous":
+            result.result()
         stalls.append(time.perf_counter() - start)
         in_save[0] = False
         return result
@@ -52,10 +59,15 @@ def child(config, ckpt_dir, ckpt_every, flags):
     # main() and save_checkpoint find them among the module's globals when they call them.
     module.save_checkpoint, module.wait_for_checkpoint = timed_save, timed_wait
     saving = [] if config == "no checkpoints" else ["--ckpt-dir", ckpt_dir, "--ckpt-every", str(ckpt_every)]
-    sys.argv = ["single_gpu.py", *MODEL, *flags, *saving]
+    sys.argv = [script, *MODEL, *flags, *saving]
+    if script != "single_gpu.py":  # a world of one, as torchrun would start it
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(get_free_port()))
     start = time.perf_counter()
     module.main(module.parse_args())
     wall = time.perf_counter() - start
+    if script != "single_gpu.py":
+        module.dist.destroy_process_group()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     print("RESULT " + json.dumps({"stalls": stalls, "waits_in_save": [s for inside, s in waits if inside],
                                   "final_wait": sum(s for inside, s in waits if not inside), "wall": wall,
@@ -64,6 +76,7 @@ def child(config, ckpt_dir, ckpt_every, flags):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--script", default="single_gpu.py", choices=["single_gpu.py", "ddp_torchrun.py"])
     parser.add_argument("--ckpt-dir", help="a directory on the disk to measure (default: a temporary one)")
     parser.add_argument("--max-steps", type=int, default=8)
     parser.add_argument("--ckpt-every", type=int, default=2, help="on a GPU, enough steps for a write to end (500)")
@@ -71,12 +84,13 @@ def main():
     args = parser.parse_args()
     flags = ["--max-steps", str(args.max_steps), "--log-every", "2", "--eval-every", "100000", "--log-dir"]
     if args.child:
-        return child(args.child, args.ckpt_dir, args.ckpt_every, [*flags, str(Path(args.ckpt_dir) / "tb")])
+        return child(args.script, args.child, args.ckpt_dir, args.ckpt_every, [*flags, str(Path(args.ckpt_dir) / "tb")])
     print(f"{'config':<18} {'first save':>11} {'then, each':>11} {'(write before)':>15} {'last save':>10} "
-          f"{'end wait':>9} {'run':>8} {'peak memory':>12}")
+          f"{'end wait':>9} {'run':>8} {'added':>8} {'of sync':>8} {'peak memory':>12}")
+    walls = {}
     for config in CONFIGS:
         with tempfile.TemporaryDirectory(dir=args.ckpt_dir) as tmp:
-            result = subprocess.run([sys.executable, __file__, f"--child={config}", "--ckpt-dir", tmp,
+            result = subprocess.run([sys.executable, __file__, f"--child={config}", "--ckpt-dir", tmp, "--script", args.script,
                                      "--max-steps", str(args.max_steps), "--ckpt-every", str(args.ckpt_every)],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
         lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
@@ -89,12 +103,17 @@ def main():
             seconds = [f"{first:.2f} s", f"{statistics.median(between):.2f} s" if between else "-",
                        f"{statistics.median(before):.2f} s" if before else "-", f"{last:.2f} s",
                        f"{figures['final_wait']:.2f} s"]
+        walls[config] = figures["wall"]
+        added = walls[config] - walls["no checkpoints"]
+        share = f"{added / (walls['synchronous'] - walls['no checkpoints']):.0%}" if "synchronous" in walls else "-"
         print(f"{config:<18} {seconds[0]:>11} {seconds[1]:>11} {seconds[2]:>15} {seconds[3]:>10} {seconds[4]:>9} "
-              f"{figures['wall']:>6.1f} s {figures['peak_rss'] / 2**30:>8.2f} GiB", flush=True)
+              f"{figures['wall']:>6.1f} s {added:>6.1f} s {share:>8} {figures['peak_rss'] / 2**30:>8.2f} GiB",
+              flush=True)
     print(f"{args.max_steps} steps, a save every {args.ckpt_every}: how long each save stopped the training loop "
           "('then, each': the median of the saves between the first and the last, and of that the wait for the write "
           "before, which saves too close together add); 'end wait': the run waiting for the last write before it "
-          "ends; memory: the process's peak resident memory, torch included")
+          "ends; 'added': the run's time beyond the run without saves, and 'of sync' that as a share of what "
+          "synchronous saves added; memory: the process's peak resident memory, torch included")
 
 
 if __name__ == "__main__":
