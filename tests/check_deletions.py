@@ -28,7 +28,7 @@ STOP = f"{PREEMPTION}::test_stop_signal_saves_at_the_documented_step_and_the_rer
 DELETIONS = [
     # Exactness: the data order, the skip after a resume, exact evaluation, weights by name.
     ("single_gpu.py", "sampler.generator.manual_seed(args.seed + step // steps_per_epoch)", None,
-     f"{RESUME}[single_gpu.py]"),
+     SAME_AS_SINGLE),  # the resume lands in the first epoch, whose order an unseeded generator repeats
     ("single_gpu.py", "train_loader.sampler.start = step % steps_per_epoch * args.batch_size // world_size",
      None, f"{RESUME}[single_gpu.py]"),
     ("single_gpu.py", 'generator = torch.Generator().manual_seed(zlib.crc32(f"{seed} {name}".encode()))',
@@ -60,8 +60,11 @@ DELETIONS = [
       "destroying the process group under a save still in flight, and prunes before exit 75")),
     # Stop signals and divergence.
     ("ddp_torchrun.py", "stop = next(stops) if step < args.max_steps else 0", "stop = 0", STOP),
-    ("single_gpu.py", "signal.signal(signum, signal.SIG_IGN)", None, STOP),
-    ("single_gpu.py", 'fail(f"the weights are not finite at step {step}', None,
+    ("single_gpu.py", "signal.signal(signum, signal.SIG_IGN)", None,
+     ("not where loader workers are forked (Linux before Python 3.14): they inherit the training process's "
+      "handler; spawned or forkserver ones (macOS, Python 3.14) would die of the signal. A test that spawns them "
+      "fails earlier: the memory-mapped --data cannot be sent to a spawned worker (2026-11-27, torch 2.13)")),
+    ("fsdp.py", 'fail(f"the weights are not finite at step {step}', None,
      f"{BAD_INPUT}::test_non_finite_weights_on_one_rank_stop_every_rank_without_saving"),
     ("fsdp.py", "dist.all_reduce(finite, dist.ReduceOp.MIN)", None,
      f"{BAD_INPUT}::test_non_finite_weights_on_one_rank_stop_every_rank_without_saving"),
@@ -100,7 +103,7 @@ DELETIONS = [
      f"{AMP}::test_an_overflowing_step_changes_nothing_and_halves_the_scale[fsdp.py]"),
     # FSDP.
     ("fsdp.py", "fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype, torch.float32))",
-     None, f"{FSDP}::test_each_of_2_processes_holds_half_the_training_state"),
+     None, "tests/test_memory.py::test_four_processes_each_hold_a_fraction_and_never_the_whole_model[fsdp.py]"),
     ("fsdp.py", "value = distribute_tensor(value.to(tensor.device), tensor.device_mesh,",
      "value = distribute_tensor(value.to(tensor.device), tensor.device_mesh, tensor.placements)",
      "speed only: rank 0 sends each shard its own values, which every rank drew alike"),
