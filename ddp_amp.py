@@ -82,7 +82,7 @@ def parse_args():
     flag("--timeout", type=number(float), default=300, help="seconds to wait for a stuck rank")
     flag("--precision", choices=["bf16", "fp16"], default="bf16", help="fp16: V100, T4 and older")
     flag("--local-rank", "--local_rank", help=argparse.SUPPRESS)  # torch.distributed.launch adds it
-    if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1 and "RANK" not in os.environ:
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "RANK" not in os.environ:
         fail("srun started several tasks, not torchrun: start one torchrun per node under srun")
     add_data_args(parser.add_argument_group("data"))
     add_model_args(parser.add_argument_group("model"))

@@ -87,7 +87,7 @@ def parse_args():
     flag("--replicate", type=number(int), default=1, help="R groups that each shard the model")
     flag("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     flag("--local-rank", "--local_rank", help=argparse.SUPPRESS)  # torch.distributed.launch adds it
-    if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1 and "RANK" not in os.environ:
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "RANK" not in os.environ:
         fail("srun started several tasks, not torchrun: start one torchrun per node under srun")
     add_data_args(parser.add_argument_group("data"))
     add_model_args(parser.add_argument_group("model"))

@@ -83,7 +83,7 @@ DELETIONS = [
     # Launching: the classic launch command, and srun without torchrun.
     ("ddp_torchrun.py", 'flag("--local-rank", "--local_rank", help=argparse.SUPPRESS)', None,
      f"{LAUNCHER}::test_the_classic_launch_command_trains_like_torchrun"),
-    ("ddp_torchrun.py", 'if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1 and "RANK" not in os.environ:',
+    ("ddp_torchrun.py", 'if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "RANK" not in os.environ:',
      "if False:", f"{LAUNCHER}::test_srun_without_torchrun_is_refused_in_one_line"),
     # Speed you can see.
     ("single_gpu.py", "profiler.step()", None, f"{SPEED}::test_profile_writes_a_trace_per_process"),
