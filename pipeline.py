@@ -361,12 +361,12 @@ class Meter:
     """The step line and its TensorBoard scalars: loss, learning rate, and the speed since the last
     line in tokens/s, FLOP/s per process and MFU, against the GPU's peak in `precision`."""
 
-    def __init__(self, args, step, sample, flops_per_sample, device, precision):
+    def __init__(self, args, info, step, sample, world_size, device, precision):
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
         peak = next((peak for name, peak in PEAK_FLOPS.items() if name in gpu), None)
         self.peak = peak and peak / (2 if precision == "fp32" else 1)  # fp32's matmuls: TF32
         self.tokens = sample[1].numel()  # a sample's predictions: for the GPT, its tokens
-        self.batch_size, self.flops = args.batch_size, flops_per_sample
+        self.batch_size, self.flops = args.batch_size, count_flops(args, info, sample) / world_size
         self.step, self.time = step, time.perf_counter()
 
     def log(self, step, loss, lr):
@@ -475,12 +475,15 @@ def save_checkpoint(model, optimizer, others, step, config, args, saving, group=
     """Once `saving`, the save before, is done, copy the training state (the model, the optimizer,
     and `others`, such as {"scheduler": scheduler}) to host memory and write it in the background to
     --ckpt-dir/step-N with torch's distributed checkpoint (DCP): a file per process, then .metadata.
-    Returns the new save, a future."""
+    Returns the new save, a future. Weights that are not finite are never saved: the run stops."""
+    if not weights_are_finite(model):
+        fail(f"the weights are not finite at step {step}: diverged, and not saved")
     wait_for_checkpoint(saving, args)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=FLAT)
     state = {"model": model_state, "optimizer": optimizer_state, "step": step, "config": config,
              **{name: other.state_dict() for name, other in others.items()}}
     path = os.path.join(args.ckpt_dir, f"step-{step:06d}")
+    log.info(f"step {step:>5} | saving {path}")
     return dcp.async_save(state, checkpoint_id=path, process_group=group, no_dist=group is None)
 
 def wait_for_checkpoint(saving, args):
@@ -537,7 +540,6 @@ def main(args):
     val_set = Subset(val_set, range(val_batches * args.batch_size))
     with torch.device("meta"):  # shapes, no memory: no process ever holds the whole model
         model, config = build_model(args, info)
-    flops_per_sample = count_flops(args, info, train_set[0])
     schedule, eval_schedule, eval_stages = prepare_model(model, args, device, train_set[0][0])
     if not hasattr(model, "init_tensor"):  # the constructor's values: built whole, ours kept
         model.load_state_dict(build_model(args, info)[0].state_dict(), strict=False)
@@ -553,7 +555,7 @@ def main(args):
                                num_workers=args.workers, persistent_workers=args.workers > 0,
                                pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)
     train_loader, val_loader = loader(train_set, sampler=SkippingSampler(sampler)), loader(val_set)
-    meter = Meter(args, step, train_set[0], flops_per_sample / world_size, device, "fp32")
+    meter = Meter(args, info, step, train_set[0], world_size, device, "fp32")
     profiler, received = start_profiler(args, rank), catch_stop_signals()
     saving = batches = None
     stops, save_group = stop_votes(received), dist.new_group(backend="gloo")  # saves: own group
@@ -580,11 +582,8 @@ def main(args):
                 scalars = meter.log(step, loss.item(), scheduler.get_last_lr()[0])
                 write_scalars(writer, scalars, step)
             if args.ckpt_dir and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
-                if not weights_are_finite(model):
-                    fail(f"the weights are not finite at step {step}: diverged, and not saved")
                 saving = save_checkpoint(model, optimizer, others, step, config, args, saving,
                                          save_group)
-                log.info(f"step {step:>5} | saving {args.ckpt_dir}/step-{step:06d}")
             if stop:
                 wait_for_checkpoint(saving, args)
                 log.info(f"step {step:>5} | stopped by {signal.Signals(stop).name}: "

@@ -69,8 +69,9 @@ def test_mfu_only_against_a_known_gpus_peak(monkeypatch, caplog, name, peak, pre
     script = import_script("single_gpu.py")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(script, "time", types.SimpleNamespace(perf_counter=iter([100.0, 102.0, 200.0]).__next__))
+    monkeypatch.setattr(script, "count_flops", lambda args, info, sample: 2e12)  # 2 TFLOP a sample, 2 processes
     args, sample = argparse.Namespace(batch_size=8), (torch.zeros(16), torch.zeros(16))  # 16 tokens a sample
-    meter = script.Meter(args, 0, sample, 1e12, torch.device("cuda", 0), precision)  # 1 TFLOP a sample
+    meter = script.Meter(args, {}, 0, sample, 2, torch.device("cuda", 0), precision)  # 1 TFLOP a sample each
     with caplog.at_level(logging.INFO, logger=script.log.name):
         scalars = meter.log(2, 1.0, 1e-3)  # 2 steps of 8 samples in 2 s: 8 samples/s, 8 TFLOP/s
     assert scalars == {"train/loss": 1.0, "train/lr": 1e-3, "train/tokens_per_sec": 128.0,
@@ -83,7 +84,7 @@ def test_mfu_only_against_a_known_gpus_peak(monkeypatch, caplog, name, peak, pre
         expected = peak / 2 if precision == "fp32" else peak
         assert meter.peak == expected
         assert line.endswith(f" | {8e12 / expected:.1%} MFU"), line
-    assert script.Meter(args, 0, sample, 1e12, torch.device("cpu"), precision).peak is None
+    assert script.Meter(args, {}, 0, sample, 2, torch.device("cpu"), precision).peak is None
 
 
 @pytest.mark.parametrize("script", ["single_gpu.py", "dataparallel.py"])
