@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.tensorboard import SummaryWriter
 
@@ -74,7 +74,7 @@ def parse_args():
     flag("--ckpt-dir", help="save checkpoints here, and resume from the newest")
     flag("--ckpt-every", type=number(int), default=100, help="steps between checkpoints")
     flag("--keep-checkpoints", type=number(int), default=1, help="how many of the newest to keep")
-    flag("--workers", type=number(int, False), default=0, help="loader processes beside each")
+    flag("--workers", type=number(int, False), default=0, help="spawned loader processes")
     flag("--device", choices=["cpu", "cuda"], help="default: cuda if there is one")
     flag("--seed", type=int, default=0)
     flag("--compile", action="store_true", help="torch.compile the model")
@@ -111,35 +111,33 @@ def markov_sequences(seq_len, num_tokens=2**18, vocab_size=64, seed=1234):
     tokens[:, 0] = torch.multinomial(stationary, len(tokens), replacement=True, generator=gen)
     for t in range(seq_len):
         tokens[:, t + 1] = torch.multinomial(transitions[tokens[:, t]], 1, generator=gen)[:, 0]
-    return tokens, vocab_size
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:]), vocab_size  # (input, target) pairs
 
-def text_file_sequences(path, seq_len):
-    """A file's bytes in chunks, memory-mapped: one copy in the page cache for every process."""
-    num_seqs = (os.path.getsize(path) - 1) // seq_len if os.path.isfile(path) else 0
-    if num_seqs < 1:
-        fail(f"--data {path}: no such file, or not longer than --seq-len {seq_len}")
-    tokens = torch.from_file(path, size=num_seqs * seq_len + 1, dtype=torch.uint8)
-    return tokens.as_strided((num_seqs, seq_len + 1), (seq_len, 1)), 256
+class TextFile(Dataset):
+    """A file's bytes as (input, target) sequences, read from the file per sample: the page cache
+    holds one copy for every process, and a loader worker, however started, opens it itself."""
 
-class TokenSequences(Dataset):
-    """Row i of a (sequences, seq_len + 1) tensor as an (input, target) pair: the next tokens."""
-
-    def __init__(self, tokens):
-        self.tokens = tokens
+    def __init__(self, path, seq_len):
+        self.path, self.seq_len = path, seq_len
+        self.num_seqs = (os.path.getsize(path) - 1) // seq_len if os.path.isfile(path) else 0
+        if self.num_seqs < 1:
+            fail(f"--data {path}: no such file, or not longer than --seq-len {seq_len}")
 
     def __len__(self):
-        return len(self.tokens)
+        return self.num_seqs
 
     def __getitem__(self, i):
-        return self.tokens[i, :-1].long(), self.tokens[i, 1:].long()
+        with open(self.path, "rb") as file:
+            file.seek(i * self.seq_len)
+            tokens = torch.frombuffer(bytearray(file.read(self.seq_len + 1)), dtype=torch.uint8)
+        return tokens[:-1].long(), tokens[1:].long()
 
 def build_datasets(args):
     """Train and validation sets, the last tenth held out, and what the model needs to know."""
     if args.data:
-        tokens, vocab_size = text_file_sequences(args.data, args.seq_len)
+        dataset, vocab_size = TextFile(args.data, args.seq_len), 256
     else:
-        tokens, vocab_size = markov_sequences(args.seq_len)
-    dataset = TokenSequences(tokens)
+        dataset, vocab_size = markov_sequences(args.seq_len)
     num_train = len(dataset) - len(dataset) // 10
     val_set = Subset(dataset, range(num_train, len(dataset)))
     return Subset(dataset, range(num_train)), val_set, {"vocab_size": vocab_size}
@@ -299,7 +297,9 @@ def catch_stop_signals():
     return received
 
 def ignore_stop_signals(worker_id):
-    """A loader worker leaves stop signals to the training process, which saves, then ends it."""
+    """A loader worker leaves stop signals to the training process, which saves, then ends it. The
+    workers are spawned: this process's children on every platform and Python (3.14's forkserver,
+    in the job's process group, would die of the signal, and they of its death)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
@@ -492,6 +492,7 @@ def main(args):
     val_set = Subset(val_set, range(rank, len(val_set), world_size))  # exact: no padding
     loader = functools.partial(DataLoader, batch_size=per_process_batch_size,
                                num_workers=args.workers, persistent_workers=args.workers > 0,
+                               multiprocessing_context="spawn" if args.workers else None,
                                pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)
     train_loader, val_loader = loader(train_set, sampler=SkippingSampler(sampler)), loader(val_set)
     meter = Meter(args, info, step, train_set[0], world_size, device, "fp32")

@@ -60,10 +60,9 @@ DELETIONS = [
       "destroying the process group under a save still in flight, and prunes before exit 75")),
     # Stop signals and divergence.
     ("ddp_torchrun.py", "stop = next(stops) if step < args.max_steps else 0", "stop = 0", STOP),
-    ("single_gpu.py", "signal.signal(signum, signal.SIG_IGN)", None,
-     ("not where loader workers are forked (Linux before Python 3.14): they inherit the training process's "
-      "handler; spawned or forkserver ones (macOS, Python 3.14) would die of the signal. A test that spawns them "
-      "fails earlier: the memory-mapped --data cannot be sent to a spawned worker (2026-11-27, torch 2.13)")),
+    ("ddp_torchrun.py", "signal.signal(signum, signal.SIG_IGN)", None, f"{STOP}[torchrun]"),
+    ("ddp_torchrun.py", 'multiprocessing_context="spawn" if args.workers else None,', None,
+     f"{STOP}[torchrun]"),  # under Python 3.14's default, forkserver, which the test sets
     ("fsdp.py", 'fail(f"the weights are not finite at step {step}', None,
      f"{BAD_INPUT}::test_non_finite_weights_on_one_rank_stop_every_rank_without_saving"),
     ("fsdp.py", "dist.all_reduce(finite, dist.ReduceOp.MIN)", None,
@@ -75,9 +74,13 @@ DELETIONS = [
     ("single_gpu.py", "loss = loss_fn(model(inputs), targets) / args.grad_accum",
      "loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()) / args.grad_accum",
      "tests/test_your_model.py"),
-    ("single_gpu.py", "tokens = torch.from_file(path, size=num_seqs * seq_len + 1, dtype=torch.uint8)",
-     ("tokens = torch.frombuffer(bytearray(open(path, 'rb').read()[: num_seqs * seq_len + 1]), "
-      "dtype=torch.uint8).long()"), f"{TRAINING}::test_text_file_is_mapped_not_copied"),
+    # --data: read per sample, not copied into each process, and sent to a spawned loader worker as a path.
+    ("single_gpu.py", "self.path, self.seq_len = path, seq_len",
+     "self.path, self.seq_len, self.copy = path, seq_len, torch.tensor(list(open(path, 'rb').read()))",
+     f"{TRAINING}::test_text_file_is_read_not_copied"),
+    ("ddp_torchrun.py", "self.path, self.seq_len = path, seq_len",
+     "self.path, self.seq_len, self.map = path, seq_len, torch.from_file(path, size=len(path))",
+     f"{RESUME}[ddp_torchrun.py]"),
     ("ddp_torchrun.py", "val_set = Subset(val_set, range(val_batches * args.batch_size))", None,
      f"{SPEED}::test_compiled_ddp_trains_like_eager"),
     # Launching: the classic launch command, and srun without torchrun.

@@ -72,6 +72,9 @@ def held_write(self, *args, **kwargs):
 filesystem._FileSystemWriter.write_data = held_write
 """
 
+# Injected with --workers: Python 3.14's default start method on Linux, which the scripts' "spawn" overrides.
+FORKSERVER = "import multiprocessing\nmultiprocessing.set_start_method('forkserver')\n"
+
 
 def hold(directory, step, rank, also=""):
     """The environment in which rank `rank` holds step `step` (see HOLD), and runs the code `also` at start-up."""
@@ -135,8 +138,9 @@ def assert_ends_like(trained, ckpt_dir):
 
 
 # One way each that a signal arrives: to a single process; to ddp_spawn.py's parent, which forwards it; to torchrun,
-# which forwards it to each worker's process group, so with --workers 1 to its data loader's process too, which leaves
-# it to the training process; and to one worker of a torchrun job alone (SIGUSR1, as SLURM's --signal sends). The
+# which forwards it to each worker's process group, so with --workers 1 to its data loader's process too (spawned: it
+# does not inherit the training process's handler), which leaves it to the training process; and to one worker of a
+# torchrun job alone (SIGUSR1, as SLURM's --signal sends). The
 # held process is the last rank; the others run into the next step's collective and wait there.
 @pytest.mark.parametrize("script, target, signum", [
     ("single_gpu.py", "the process", signal.SIGTERM), ("ddp_spawn.py", "the parent", signal.SIGTERM),
@@ -147,7 +151,7 @@ def test_stop_signal_saves_at_the_documented_step_and_the_rerun_ends_bit_for_bit
     distributed = script != "single_gpu.py"
     loader = ["--workers", 1] if target == "torchrun" else []
     with Job(script, flags(tmp_path, "--ckpt-dir", tmp_path / "ckpt", *loader),
-             hold(tmp_path, HOLD_STEP, int(distributed)), tmp_path) as job:
+             hold(tmp_path, HOLD_STEP, int(distributed), FORKSERVER * bool(loader)), tmp_path) as job:
         job.wait_for(f"holding step {HOLD_STEP}")
         if target == "rank 1 alone":
             [pid] = [pid for pid, env in tagged_processes(job.tag).items() if env.get("RANK") == "1"]
