@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -108,9 +109,7 @@ def markov_sequences(seq_len, num_tokens=2**18, vocab_size=64, seed=1234):
     gen = torch.Generator().manual_seed(seed)
     transitions = torch.randn(vocab_size, vocab_size, generator=gen, dtype=torch.float64)
     transitions = torch.softmax(3 * transitions, 1)
-    stationary = torch.full((vocab_size,), 1 / vocab_size, dtype=torch.float64)
-    for _ in range(200):
-        stationary = stationary @ transitions
+    stationary = torch.linalg.matrix_power(transitions, 200)[0]  # any row: the long-run frequencies
     entropy = -(stationary[:, None] * transitions * transitions.log()).sum().item()
     log.info(f"built-in data: a Markov chain whose entropy rate, {entropy:.4f}, is the lowest loss")
     tokens = torch.empty(num_tokens // seq_len, seq_len + 1, dtype=torch.long)
@@ -316,9 +315,8 @@ def catch_stop_signals():
     return received
 
 def ignore_stop_signals(worker_id):
-    """A loader worker leaves stop signals to the training process, which saves, then ends it. The
-    workers are spawned: this process's children on every platform and Python (3.14's forkserver,
-    in the job's process group, would die of the signal, and they of its death)."""
+    """A loader worker, spawned as this process's child (Python 3.14's forkserver would die of a
+    stop signal, ending its workers), leaves it to the training process, which saves, then stops."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
@@ -432,12 +430,13 @@ def evaluate(model, loader, device):
 warnings.filterwarnings("ignore", "torch.distributed is disabled")
 # AdamW's state and settings under each parameter's name: whichever process holds it, one format.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+STAGER = DefaultStager(StagingOptions(False, False, False, False))  # async_save's own, but kept
 
 def save_checkpoint(model, optimizer, others, step, config, args, saving, group=None):
     """Once `saving`, the save before, is done, copy the training state (the model, the optimizer,
-    and `others`, such as {"scheduler": scheduler}) to host memory and write it in the background to
-    --ckpt-dir/step-N with torch's distributed checkpoint (DCP): a file per process, then .metadata.
-    Returns the new save, a future. Weights that are not finite are never saved: the run stops."""
+    and `others`, such as {"scheduler": scheduler}) into the host memory that save used and write it
+    in the background to --ckpt-dir/step-N with torch's distributed checkpoint (DCP): a file per
+    process, then .metadata. Returns the new save, a future. Weights not finite stop the run."""
     if not weights_are_finite(model):
         fail(f"the weights are not finite at step {step}: diverged, and not saved")
     wait_for_checkpoint(saving, args)
@@ -446,7 +445,7 @@ def save_checkpoint(model, optimizer, others, step, config, args, saving, group=
              **{name: other.state_dict() for name, other in others.items()}}
     path = os.path.join(args.ckpt_dir, f"step-{step:06d}")
     log.info(f"step {step:>5} | saving {path}")
-    return dcp.async_save(state, checkpoint_id=path, process_group=group, no_dist=group is None)
+    return dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=STAGER)
 
 def wait_for_checkpoint(saving, args):
     """Wait for `saving` (or None) to be written, then keep the newest --keep-checkpoints."""
