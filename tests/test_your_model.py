@@ -261,8 +261,8 @@ def test_a_resnet_with_batch_norm_trains_after_the_readmes_adaptation(script, ru
     done = runs[script, "resnet"]
     (first, first_tb), (last, tb), ckpt_dir = done["first"], done["last"], done["ckpt_dir"]
     if script == "pipeline.py":  # split between residual blocks, the stem on the first stage, the head on the last
-        assert "stage 0 (rank 0): stem, blocks.0, blocks.1\n" in first.output, first.output
-        assert "stage 1 (rank 1): blocks.2, blocks.3, head\n" in first.output, first.output
+        assert "stage 0 (rank 0): embed, blocks.0, blocks.1\n" in first.output, first.output
+        assert "stage 1 (rank 1): blocks.2, blocks.3, output\n" in first.output, first.output
     if script in RESUMED:
         assert f"resumed from {ckpt_dir}/step-{FIRST:06d} at step {FIRST}\n" in last.output, last.output
     print(f"{script}, ResNet: held-out accuracy {tb['val/accuracy'][STEPS]:.3f}")
@@ -274,7 +274,7 @@ def test_a_resnet_with_batch_norm_trains_after_the_readmes_adaptation(script, ru
     # do not).
     final = done["final"]["model"]
     tracked = {name: int(value) for name, value in final.items() if name.endswith("num_batches_tracked")}
-    assert "stem.1.num_batches_tracked" in tracked and set(tracked.values()) == {2 * STEPS}, tracked
+    assert "embed.1.num_batches_tracked" in tracked and set(tracked.values()) == {2 * STEPS}, tracked
 
     # Relative to a tensor's largest value where it exceeds 1: BatchNorm's running variances grow to tens, where
     # fp32's values are some 4e-6 apart. Seen: pipeline.py 5.1e-7; the DDP and FSDP scripts 1.8 to 3.
