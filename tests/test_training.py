@@ -127,8 +127,11 @@ import atexit, os, sys
 
 def report():
     names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
-    # A rank (torchrun's, or ddp_spawn.py's run() sets it), or another: torchrun, or a loader worker.
+    # A rank (torchrun's, or ddp_spawn.py's run() sets it), or another: torchrun, or a loader worker (which on
+    # torch 2.10 may end with its stdout closed: nothing to report to).
     loader_worker = "torch.utils.data" in sys.modules and sys.modules["torch.utils.data"].get_worker_info()
+    if sys.stdout.closed:
+        return
     who = "other" if loader_worker else os.environ.get("RANK", "other")
     print(f"gloo threads at exit: {sum('gloo' in name for name in names)} ({who})", flush=True)
 
