@@ -18,29 +18,41 @@ STOPPED = 75  # the scripts' status after a stop (EX_TEMPFAIL): saved, to be run
 HOLD_STEP = 6  # mid-epoch (10 steps an epoch), before the first checkpoint at step 8
 
 # Injected (hold()): process HOLD_RANK holds its optimizer step HOLD_STEP until a stop signal has reached it, so that
-# the signal lands in that step whatever the timing, once (a run started again, by a requeue, holds nothing); and each
+# the signal lands in that step whatever the timing, once (a run started again, by a requeue, holds nothing); with
+# HOLD_RANK "every", every rank holds until the signal has reached one of them, whose vote then stops all at the step
+# after. A process still alive 25 s after its stop signal prints every thread's stack (torchrun kills at 30 s). Each
 # rank of a distributed job says with which status it exits, which torchrun, stopped itself, does not report.
 HOLD = """\
-import os, signal, sys, threading, time
+import faulthandler, os, signal, sys, threading, time
 import torch
 
 received, install = threading.Event(), signal.signal
+every, came = os.environ["HOLD_RANK"] == "every", os.environ["HELD"] + "-signal"
+
+def noting(signum, frame, handler):
+    faulthandler.dump_traceback_later(25)
+    handler(signum, frame)  # the script's handler (torchrun's raises), and then: a signal came
+    received.set()
+    if every:
+        open(came, "w").close()
 
 def noting_install(signum, handler):
-    if callable(handler):  # the script's handler, and then: a signal came
-        handler = lambda signum, frame, handler=handler: (handler(signum, frame), received.set())
+    if callable(handler):
+        handler = lambda signum, frame, handler=handler: noting(signum, frame, handler)
     return install(signum, handler)
 
 step, steps = torch.optim.AdamW.step, []
 
 def holding_step(self, *args, **kwargs):
     steps.append(None)
-    if (len(steps) == int(os.environ["HOLD_STEP"]) and os.environ.get("RANK", "0") == os.environ["HOLD_RANK"]
-            and not os.path.exists(os.environ["HELD"])):
-        open(os.environ["HELD"], "w").close()
+    rank = os.environ.get("RANK", "0")
+    held = f"{os.environ['HELD']}-{rank}"
+    if (len(steps) == int(os.environ["HOLD_STEP"]) and os.environ["HOLD_RANK"] in (rank, "every")
+            and not os.path.exists(held)):
+        open(held, "w").close()
         print(f"holding step {len(steps)} until a stop signal", flush=True)
         deadline = time.monotonic() + 120
-        while not received.is_set():
+        while not (received.is_set() or every and os.path.exists(came)):
             assert time.monotonic() < deadline, "no stop signal came"
             time.sleep(0.01)
     return step(self, *args, **kwargs)
@@ -77,7 +89,8 @@ FORKSERVER = "import multiprocessing\nmultiprocessing.set_start_method('forkserv
 
 
 def hold(directory, step, rank, also=""):
-    """The environment in which rank `rank` holds step `step` (see HOLD), and runs the code `also` at start-up."""
+    """The environment in which rank `rank` (or "every" rank) holds step `step` (see HOLD), and runs the code `also`
+    at start-up."""
     return {**injected(directory, HOLD + also), "HOLD_STEP": str(step), "HOLD_RANK": str(rank),
             "HELD": str(directory / "held")}
 

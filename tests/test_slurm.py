@@ -154,7 +154,8 @@ def test_sbatch_trains_on_two_nodes_and_a_stop_before_the_time_limit_requeues_to
     """`sbatch launch_distributed.sh ddp_torchrun.py` on two nodes, one process each (the world of 2 that conftest's
     torchrun run trains), told to stop in step 6 as the launcher's #SBATCH --signal=B:USR1@120 tells it before the
     time limit (here by scancel): the workers save at one step and stop, the job requeues itself, and its second
-    start resumes and ends on the uninterrupted run's weights, bit for bit."""
+    start resumes and ends on the uninterrupted run's weights, bit for bit. Both ranks hold step 6 until the stop
+    reaches one of them: SLURM signals each node's step on its own, and one rank's signal must stop both."""
     # MASTER_PORT: the launcher's default, 20000 + job id % 10000, is the same for every fresh cluster, so two runs
     # of this test at once would meet in one rendezvous. OMP_NUM_THREADS and PATH: what conftest.run_command gives
     # every script. SLURM_CPU_BIND=cores: tasks bound to their CPUs, as on clusters that enforce it, where a task
@@ -163,7 +164,7 @@ def test_sbatch_trains_on_two_nodes_and_a_stop_before_the_time_limit_requeues_to
     rendezvous_port = free_ports(1)[0]
     env = dict(slurm, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{slurm['PATH']}",
                NPROC_PER_NODE="1", MASTER_PORT=str(rendezvous_port), SLURM_CPU_BIND="cores",
-               **hold(tmp_path, HOLD_STEP, 1, also="if 'LOCAL_RANK' in os.environ:\n"
+               **hold(tmp_path, HOLD_STEP, "every", also="if 'LOCAL_RANK' in os.environ:\n"
                                                    "    cpus = sorted(os.sched_getaffinity(0))\n"
                                                    "    print(f'rank {os.environ[\"RANK\"]} may run on CPUs {cpus}', "
                                                    "flush=True)\n"))
@@ -172,6 +173,9 @@ def test_sbatch_trains_on_two_nodes_and_a_stop_before_the_time_limit_requeues_to
     def output():
         return job_output.read_text() if job_output.exists() else ""
 
+    def report():  # the job's output, and what Slurm's daemons did with its signals
+        return f"{output()}\n{daemon_logs(Path(slurm['SLURM_CONF']).parent)}"
+
     # The node and task counts come from the launcher's #SBATCH lines, as for a user; the CPUs, as the launcher's
     # header says, from sbatch's command line.
     argv = ["sbatch", "--wait", "--parsable", f"--job-name={JOB_NAME}", f"--output={job_output}", f"--chdir={tmp_path}",
@@ -179,7 +183,7 @@ def test_sbatch_trains_on_two_nodes_and_a_stop_before_the_time_limit_requeues_to
             "--ckpt-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "tb")]
     sbatch = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert wait_until(lambda: f"holding step {HOLD_STEP}" in output(), JOB_TIMEOUT), output()
+        assert wait_until(lambda: f"holding step {HOLD_STEP}" in output(), JOB_TIMEOUT), report()
         subprocess.run(["scancel", "--batch", "--signal=USR1", f"--name={JOB_NAME}"], env=env, check=True, timeout=30)
         job_id, errors = sbatch.communicate(timeout=JOB_TIMEOUT)
     finally:
@@ -189,11 +193,11 @@ def test_sbatch_trains_on_two_nodes_and_a_stop_before_the_time_limit_requeues_to
             wait_until(lambda: not subprocess.run(["squeue", "--noheader", f"--name={JOB_NAME}"], check=False, env=env,
                                                   capture_output=True, text=True, timeout=10).stdout.strip(), 60)
     log = output()  # both starts of the job, one after the other (#SBATCH --open-mode=append)
-    assert sbatch.returncode == 0, f"{job_id}{errors}\n{log}"
+    assert sbatch.returncode == 0, f"{job_id}{errors}\n{report()}"
 
     job_id = job_id.strip()
     srun = [line.split() for line in log.splitlines() if line.startswith("srun ")]
-    assert len(srun) == 2, log  # a start, and the requeued one
+    assert len(srun) == 2, report()  # a start, and the requeued one
     assert all({"--nodes=2", "--ntasks-per-node=1", f"--cpus-per-task={CPUS}", "torchrun", "--nnodes=2",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={NODES[0]}:{rendezvous_port}",
                 f"--rdzv-id={job_id}"} <= set(line) for line in srun), log
@@ -204,9 +208,9 @@ def test_sbatch_trains_on_two_nodes_and_a_stop_before_the_time_limit_requeues_to
     assert all(len(cpus.split(",")) == CPUS for cpus in affinity.values()), affinity
 
     step = HOLD_STEP + 1  # the distributed scripts' stop: one step after the signal
-    assert f"step {step:>5} | stopped by SIGTERM: run again to resume" in log, log
-    assert f"launch_distributed.sh: stopped by SIGUSR1: job {job_id} goes back in the queue" in log, log
-    assert f"resumed from {tmp_path / 'ckpt' / f'step-{step:06d}'} at step {step}" in log, log
+    assert f"step {step:>5} | stopped by SIGTERM: run again to resume" in log, report()
+    assert f"launch_distributed.sh: stopped by SIGUSR1: job {job_id} goes back in the queue" in log, report()
+    assert f"resumed from {tmp_path / 'ckpt' / f'step-{step:06d}'} at step {step}" in log, report()
     got, expected = load(tmp_path / "ckpt"), load(trained["ddp_torchrun.py"].ckpt_dir)
     assert got["step"] == STEPS
     diff = max_param_diff(got["model"], expected["model"])
