@@ -2,10 +2,11 @@
 weights and AdamW state), saving every 2 of 8 steps by default with torch's distributed checkpoint in the background
 (dcp.async_save: the loop waits for the write before, and for the copy of the state to host memory; DCP writes the
 copy from a thread), synchronously (each save waited for at once), and without saving. Prints how long each save
-stopped the loop, and of that the wait for the write before; how long the run waited at its end for the last write;
-the run's wall time, what saving added to it, and that as a share of what synchronous saves added; and the process's
-peak resident memory. With --repeats N the three run in turn N times, and the medians of their wall times give the
-share. A benchmark that prints figures, not a test (pytest does not collect it).
+stopped the loop, and of that the wait for the write before; the CPU time of a synchronous save (the loop stands
+still meanwhile); how long the run waited at its end for the last write; the run's wall time, what saving added to
+it, and that as a share of what synchronous saves added; and the process's peak resident memory. With --repeats N
+the three run in turn N times, and the medians of their wall times give the share. A benchmark that prints figures,
+not a test (pytest does not collect it).
 
     python tests/benchmark_checkpoint.py                     # on this machine: a GPU if there is one
     python tests/benchmark_checkpoint.py --repeats 3         # a share that a noisy machine can be judged by
@@ -41,12 +42,15 @@ def child(script, config, ckpt_dir, ckpt_every, flags):
     figures as one JSON line."""
     module = import_script(script)
     save, wait, stalls, waits, in_save = module.save_checkpoint, module.wait_for_checkpoint, [], [], [False]
+    cpu_times = []
 
     def timed_save(*args, **kwargs):
-        start, in_save[0] = time.perf_counter(), True
+        start, cpu, in_save[0] = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), True
         result = save(*args, **kwargs)
-        if config == "synchronous":
+        if config == "synchronous":  # the loop stands still: the process's CPU time is the save's
             result.result()
+            used = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_times.append((used.ru_utime - cpu.ru_utime, used.ru_stime - cpu.ru_stime))
         stalls.append(time.perf_counter() - start)
         in_save[0] = False
         return result
@@ -70,7 +74,8 @@ def child(script, config, ckpt_dir, ckpt_every, flags):
     if script != "single_gpu.py":
         module.dist.destroy_process_group()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    print("RESULT " + json.dumps({"stalls": stalls, "waits_in_save": [s for inside, s in waits if inside],
+    print("RESULT " + json.dumps({"stalls": stalls, "cpu_times": cpu_times,
+                                  "waits_in_save": [s for inside, s in waits if inside],
                                   "final_wait": sum(s for inside, s in waits if not inside), "wall": wall,
                                   "peak_rss": peak}), flush=True)
 
@@ -102,6 +107,9 @@ def run(config, args, walls):
     of_sync = share(walls[config], walls) if "synchronous" in walls else "-"
     print(f"{config:<18} {seconds[0]:>11} {seconds[1]:>11} {seconds[2]:>15} {seconds[3]:>10} {seconds[4]:>9} "
           f"{figures['wall']:>6.1f} s {added:>6.1f} s {of_sync:>8} {figures['peak_rss'] / 2**30:>8.2f} GiB", flush=True)
+    if figures["cpu_times"]:
+        user, kernel = (statistics.median(times) for times in zip(*figures["cpu_times"]))
+        print(f"{'':<18} each used {user:.2f} s of CPU in Python and torch, {kernel:.2f} s in the kernel (medians)")
 
 
 def main():
