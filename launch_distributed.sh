@@ -12,7 +12,7 @@
 # 120 s before the time limit SLURM sends this script SIGUSR1: the workers save a checkpoint and stop,
 # and the job goes back in the queue (--requeue), to resume from it; its log goes on in the same file.
 # The 120 s must hold the step under way, the next (where the ranks stop) and a save: raise it for a larger
-# model (README, "Launching").
+# model.
 
 usage() {
     cat <<'EOF'

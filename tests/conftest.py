@@ -246,7 +246,7 @@ def adam_state(state):
 # Where the scripts may differ at all, they differ only in the order of fp32 additions: a
 # gradient summed as two per-rank halves, then averaged, rounds differently from one sum over
 # the batch (about 1e-7 relative). Sixteen AdamW steps, whose update m / sqrt(v) normalises
-# gradients, keep that far below 1e-5 on weights of size ~0.02-1 (the largest seen: tests/README.md).
+# gradients, keep that far below 1e-5 on weights of size ~0.02-1.
 PARAM_ATOL = 1e-5
 
 
