@@ -434,10 +434,10 @@ def wait_for_checkpoint(saving, args):
             shutil.rmtree(old, ignore_errors=True)
 
 def complete_checkpoints(ckpt_dir):
-    """The checkpoints in ckpt_dir that have their .metadata, oldest first: a crash mid-save
-    leaves a directory without it, and the one before as the newest."""
+    """The checkpoints in ckpt_dir with their .metadata, by step (step-1000000 after step-999999):
+    a crash mid-save leaves a directory without it, and the one before as the newest."""
     done = glob.glob(os.path.join(glob.escape(ckpt_dir), "step-*", ".metadata"))
-    return sorted(os.path.dirname(path) for path in done)
+    return sorted(map(os.path.dirname, done), key=lambda path: (len(path), path))
 
 def load_checkpoint(path, model, optimizer, others, config):
     """Load the training state saved at `path` into the model, optimizer and `others`, in place, and

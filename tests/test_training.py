@@ -4,12 +4,13 @@ from any other script's on any number of processes."""
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import (DISTRIBUTED, FP32, HALF, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, WARNING, adam_state,
-                      checkpoints, injected, load, max_param_diff, resume_in, run, scalars)
+                      checkpoints, import_script, injected, load, max_param_diff, resume_in, run, scalars)
 
 LOSS_ATOL = 1e-5
 TAGS = {"train/loss", "train/lr", "train/tokens_per_sec", "train/tflops_per_process", "val/loss", "val/accuracy"}
@@ -233,6 +234,12 @@ def test_keep_checkpoints_keeps_the_newest_complete_ones_and_a_crash_mid_save_is
     assert f"resumed from {ckpt_dir}/step-000008 at step 8\n" in output, output
     assert checkpoints(ckpt_dir) == [ckpt_dir / f"step-{step:06d}" for step in (8, 12, 16)]
     assert_identical(load(ckpt_dir), load(trained["single_gpu.py"].ckpt_dir))
+    # Past step 999999 the names grow a digit: ordered as text, step-1000000 would be the oldest, deleted as saved.
+    for step in (999999, 1000000):
+        (tmp_path / "late" / f"step-{step:06d}").mkdir(parents=True)
+        (tmp_path / "late" / f"step-{step:06d}" / ".metadata").touch()
+    late = import_script("single_gpu.py").complete_checkpoints(str(tmp_path / "late"))
+    assert [Path(path).name for path in late] == ["step-999999", "step-1000000"]
 
 
 def test_grad_clip_zero_turns_clipping_off(halfway, tmp_path):
