@@ -497,7 +497,8 @@ def main(args):
     meter = Meter(args, info, step, train_set[0], world_size, device, "fp32")
     profiler, received = start_profiler(args, rank), catch_stop_signals()
     saving = micro_batches = None
-    stops, save_group = stop_votes(received), dist.new_group(backend="gloo")  # saves: own group
+    stops, timeout = stop_votes(received), datetime.timedelta(seconds=args.timeout)
+    save_group = dist.new_group(backend="gloo", timeout=timeout)  # saves: own group, own --timeout
     with SummaryWriter(args.log_dir) if rank == 0 else contextlib.nullcontext() as writer, profiler:
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:

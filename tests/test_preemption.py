@@ -218,3 +218,16 @@ def test_a_kill_during_a_background_write_leaves_the_checkpoint_before_which_res
     assert rerun.returncode == 0, rerun.output
     assert f"resumed from {ckpt_dir / 'step-000004'} at step 4\n" in rerun.output, rerun.output
     assert_ends_like(trained["ddp_torchrun.py"], ckpt_dir)
+
+
+def test_a_rank_stuck_in_a_background_write_fails_after_timeout_and_keeps_the_checkpoint_before(tmp_path):
+    """Rank 1 holds its write of step 8's checkpoint for good: rank 0, waiting for it in the saves' own group, fails
+    after --timeout (10 s; gloo's default is half an hour, past the 180 s this test waits), and step 4's checkpoint
+    is the newest complete one."""
+    ckpt_dir = tmp_path / "ckpt"
+    with Job("ddp_torchrun.py", flags(tmp_path, "--ckpt-dir", ckpt_dir, "--ckpt-every", 4, "--timeout", 10),
+             {**injected(tmp_path, HOLD_WRITE), "HOLD_WRITE": "step-000008"}, tmp_path) as job:
+        job.wait_for(f"rank 1 holds its write of {ckpt_dir / 'step-000008'}", "in wait_for_checkpoint")
+        output = job.output()
+    assert re.search(r"\[rank0\]: .* in wait_for_checkpoint", output), output  # rank 0 learns the save failed
+    assert checkpoints(ckpt_dir) == [ckpt_dir / "step-000004"], output
