@@ -52,6 +52,9 @@ environment:
   JOIN_TIMEOUT    seconds to wait for every node to join (default 300)
   MAX_RESTARTS    times to restart the workers after one fails (default 3); with --ckpt-dir the restarted
                   run resumes from its last checkpoint
+  SHUTDOWN_TIMEOUT
+                  seconds torchrun gives its workers, once sent a stop signal, to save and exit before it
+                  kills them (default 120; torch's own is 30, and torch 2.10 knows no other)
   PYTHON          interpreter for single-process scripts and the check (default: python)
 EOF
 }
@@ -149,9 +152,10 @@ fi
 PYTHON=${PYTHON:-python}
 type -P "$PYTHON" >/dev/null || PYTHON=python3  # some systems have only python3
 MAX_RESTARTS=${MAX_RESTARTS:-3}
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120}
 JOIN_TIMEOUT=${JOIN_TIMEOUT:-300}
 NNODES=${NNODES:-1}
-for name in MAX_RESTARTS JOIN_TIMEOUT NNODES ${NPROC_PER_NODE:+NPROC_PER_NODE} ${NODE_RANK:+NODE_RANK} ${MASTER_PORT:+MASTER_PORT}; do
+for name in MAX_RESTARTS SHUTDOWN_TIMEOUT JOIN_TIMEOUT NNODES ${NPROC_PER_NODE:+NPROC_PER_NODE} ${NODE_RANK:+NODE_RANK} ${MASTER_PORT:+MASTER_PORT}; do
     [[ "${!name}" =~ ^(0|[1-9][0-9]*)$ ]] || die "$name must be a whole number, got '${!name}'"
 done
 ((NNODES >= 1)) || die "NNODES must be at least 1"
@@ -327,8 +331,10 @@ torchrun_on_each_node() {  # [exec] ARGS...: torchrun, under srun in SLURM mode:
         shift
     fi
     # A restarted worker must not find its predecessors' addresses in the store it would share with
-    # the agent: with it shared, gloo workers failed to restart (pytorch/pytorch#135712).
-    local command=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun "${rendezvous[@]}" --nproc-per-node="$nproc" "$@")
+    # the agent: with it shared, gloo workers failed to restart (pytorch/pytorch#135712). A stop's save
+    # of a large model can outlast torchrun's 30 s before it kills the workers.
+    local command=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"
+                   torchrun "${rendezvous[@]}" --nproc-per-node="$nproc" "$@")
     if [[ "$mode" == slurm ]]; then
         # --ntasks too: srun would otherwise take the job's task count (sbatch --ntasks=16) over --ntasks-per-node.
         command=(srun --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --cpus-per-task="$cpus" --kill-on-bad-exit=1

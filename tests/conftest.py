@@ -116,7 +116,7 @@ def launch(*args, env=None, timeout=180, cwd=None):
 
 # What would change what the launcher does: the tests set these themselves, or run outside any allocation.
 LAUNCH_SETTINGS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "RDZV_ID", "JOIN_TIMEOUT",
-                   "MAX_RESTARTS", "PYTHON")
+                   "MAX_RESTARTS", "SHUTDOWN_TIMEOUT", "PYTHON")
 
 
 def environment(env=None):

@@ -50,8 +50,8 @@ def test_check_passes_and_one_node_trains_like_torchrun(trained, tmp_path):
     assert result.returncode == 0, result.output
     assert "check passed: world size 2 (1 node x 2 processes), backend gloo" in result.output, result.output
     assert "all_reduce of 32 MiB:" in result.output and "GB/s" in result.output, result.output
-    assert ("env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=3 "
-            "ddp_torchrun.py") in result.output, result.output
+    assert ("env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120 torchrun --standalone "
+            "--nproc-per-node=2 --max-restarts=3 ddp_torchrun.py") in result.output, result.output
     assert "x 2 processes" in result.output, result.output
     assert not WARNING.search(result.output), result.output
     assert_same_state(tmp_path / "ckpt", trained["ddp_torchrun.py"])  # the job conftest's torchrun ran
@@ -114,6 +114,7 @@ MULTI = {"NNODES": "2", "MASTER_ADDR": "10.77.0.2"}  # an address literal: it re
     ("ddp_torchrun.py", {"NNODES": "2", "MASTER_ADDR": "no-such-host.invalid"}, None,
      "MASTER_ADDR no-such-host.invalid does not resolve"),
     ("ddp_torchrun.py", {"MAX_RESTARTS": "lots"}, None, "MAX_RESTARTS must be a whole number, got 'lots'"),
+    ("ddp_torchrun.py", {"SHUTDOWN_TIMEOUT": "2m"}, None, "SHUTDOWN_TIMEOUT must be a whole number, got '2m'"),
     ("ddp_spawn.py", {"NNODES": "2", "MASTER_ADDR": "127.0.0.1"}, None,
      "ddp_spawn.py runs on one node; use ddp_torchrun.py for NNODES > 1"),
     ("ddp_torchrun.py", MULTI, "127.0.1.1", ("this node's name node1 resolves to 127.0.1.1, which other nodes cannot "
@@ -148,7 +149,8 @@ def test_dry_run_in_slurm_allocation(tmp_path, cpus, expected):
     assert result.returncode == 0, result.output
     assert result.output.splitlines()[-1] == (
         f"srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task={expected} --kill-on-bad-exit=1 "
-        "env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 --rdzv-backend=c10d "
+        "env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120 torchrun --nnodes=2 "
+        "--rdzv-backend=c10d "
         "--rdzv-endpoint=localhost:24242 --rdzv-id=4242 --rdzv-conf=join_timeout=300 --nproc-per-node=4 "
         "--max-restarts=3 ddp_torchrun.py --batch-size 64 --ckpt-dir ckpt")
     note = ("launch_distributed.sh: note: this job holds 1 CPU(s) per node for 4 processes each; ask sbatch for more "
