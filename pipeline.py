@@ -250,6 +250,8 @@ def prepare_model(model, args, device, sample):
     schedule_class = {"gpipe": ScheduleLoopedBFS, "1f1b": ScheduleInterleaved1F1B,
                       "zero-bubble": ScheduleInterleavedZeroBubble}[args.schedule]  # V per process
     if args.schedule == "1f1b" and args.stages_per_process == 1:  # interleaved: more in flight
+        if args.grad_accum < num_stages:  # it fills every stage before the first backward
+            fail(f"--schedule 1f1b on {num_stages} stages needs --grad-accum {num_stages} or more")
         schedule_class, train_stages = Schedule1F1B, train_stages[0]
     schedule = schedule_class(train_stages, n_microbatches=args.grad_accum, loss_fn=loss_fn)
     # Evaluation has stages of its own: on torch 2.10 a stage's first pass fixes its inputs' grads.

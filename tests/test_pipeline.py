@@ -74,6 +74,7 @@ def test_a_checkpoint_resumes_on_another_number_of_stages(trained, halfway, tmp_
     (["--stages-per-process", 2], "4 stages (processes x --stages-per-process) for 2 blocks", 2),
     (["--schedule", "zero-bubble", "--compile"], "--compile and --schedule zero-bubble do not mix", 1),
     (["--n-layers", 4, "--stages-per-process", 2], "--stages-per-process 2 is for several processes", 1),
+    (["--grad-accum", 1], "--schedule 1f1b on 2 stages needs --grad-accum 2 or more", 2),
 ])
 def test_what_it_cannot_run_is_refused(args, message, nproc):
     fails_cleanly("pipeline.py", args, message, nproc=nproc)
