@@ -227,7 +227,7 @@ def setup(args):
     """Pick this process's device."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_float32_matmul_precision("high")  # fp32 matmuls on TF32 tensor cores (Ampere on)
-    torch.manual_seed(args.seed)  # a model without init_tensor(), and dropout
+    torch.manual_seed(args.seed)  # a model without init_tensor(); training reseeds each step
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # local rank r: GPU r
         torch.cuda.set_device(device)
@@ -575,6 +575,7 @@ def main(args):
                 sampler.generator.manual_seed(args.seed + step // steps_per_epoch)  # epoch's order
                 train_loader.sampler.start = step % steps_per_epoch * args.batch_size
                 batches = iter(train_loader)
+            torch.manual_seed(args.seed + step * world_size + rank)  # dropout: per rank, resumable
             loss = train_step(schedule, model, optimizer, scheduler, batches, args, device)
             step += 1
             if args.profile:

@@ -214,7 +214,7 @@ def setup(args):
     """Pick this process's device."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_float32_matmul_precision("high")  # fp32 matmuls on TF32 tensor cores (Ampere on)
-    torch.manual_seed(args.seed)  # a model without init_tensor(), and dropout
+    torch.manual_seed(args.seed)  # a model without init_tensor(); training reseeds each step
     return device
 
 def prepare_model(model, args, device):
@@ -472,6 +472,7 @@ def main(args):
                 sampler.generator.manual_seed(args.seed + step // steps_per_epoch)  # epoch's order
                 train_loader.sampler.start = step % steps_per_epoch * args.batch_size // world_size
                 micro_batches = iter(train_loader)
+            torch.manual_seed(args.seed + step * world_size + rank)  # dropout: per rank, resumable
             loss = train_step(train_model, optimizer, scheduler, micro_batches, args, device)
             step += 1
             if args.profile:

@@ -250,6 +250,18 @@ def adam_state(state):
 PARAM_ATOL = 1e-5
 
 
+def assert_identical(got, expected, where="checkpoint"):
+    """Two loaded checkpoints (or parts of one) hold the same keys and the same values, bit for bit."""
+    if isinstance(expected, dict):
+        assert got.keys() == expected.keys(), where
+        for key in expected:
+            assert_identical(got[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, torch.Tensor):
+        assert torch.equal(got, expected), where
+    else:
+        assert got == expected, where
+
+
 def max_param_diff(a, b):
     """Largest absolute difference between two state dicts with the same keys."""
     assert a.keys() == b.keys()

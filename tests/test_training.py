@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import (DISTRIBUTED, FP32, HALF, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, WARNING, adam_state,
-                      checkpoints, import_script, injected, load, max_param_diff, resume_in, run, scalars)
+                      assert_identical, checkpoints, import_script, injected, load, max_param_diff, resume_in, run, scalars)
 
 LOSS_ATOL = 1e-5
 TAGS = {"train/loss", "train/lr", "train/tokens_per_sec", "train/tflops_per_process", "val/loss", "val/accuracy"}
@@ -25,18 +25,6 @@ def resume(script, ckpt_dir, log_dir, steps=STEPS, *flags, env=None):
     assert result.returncode == 0, result.output
     assert not WARNING.search(result.output), result.output
     return result.output
-
-
-def assert_identical(got, expected, where="checkpoint"):
-    """Two loaded checkpoints (or parts of one) hold the same keys and the same values, bit for bit."""
-    if isinstance(expected, dict):
-        assert got.keys() == expected.keys(), where
-        for key in expected:
-            assert_identical(got[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, torch.Tensor):
-        assert torch.equal(got, expected), where
-    else:
-        assert got == expected, where
 
 
 @pytest.mark.smoke

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from conftest import DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, WARNING, load, max_param_diff, run, scalars
+from conftest import (DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, WARNING, assert_identical, injected, load,
+                      max_param_diff, run, scalars)
 
 # The replacement sections, written once for every script: all that main() needs from them is add_data_args,
 # build_datasets, add_model_args, build_model, loss_fn, and the model's optional init_tensor, embed, blocks, output.
@@ -153,8 +154,12 @@ def build_model(args, info):
 # The README's adaptation ("Bring your own model and data"), as a user copies it.
 FOUND = re.search(r"```python\n(class ResNetInPieces\(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
 ADAPTATION = FOUND.group(1) if FOUND else ""
+# The convnet with dropout before its head.
+DROPOUT = CONVNET.replace("        self.head = nn.Linear(2 * width, num_classes)\n",
+                          "        self.head = nn.Linear(2 * width, num_classes)\n        self.drop = nn.Dropout(0.5)\n"
+                          ).replace("return self.head(self.pool(x))", "return self.head(self.drop(self.pool(x)))")
 MODELS = {"convnet": CONVNET, "resnet": RESNET.replace("WRAPPED", "ResNetInPieces(ResNet(**config))") + ADAPTATION,
-          "resnet without pieces": RESNET.replace("WRAPPED", "ResNet(**config)")}
+          "resnet without pieces": RESNET.replace("WRAPPED", "ResNet(**config)"), "convnet with dropout": DROPOUT}
 
 SECTION = re.compile(r"^# -- (\w[\w ]*\w) -+$", re.MULTILINE)
 # 60 steps: single_gpu.py's ResNet reaches a held-out accuracy of 0.59 to 0.78 at step 40, depending on --seed (0 to
@@ -301,3 +306,39 @@ def test_pipeline_refuses_a_model_without_the_pieces(tmp_path):
     assert 'pipeline.py", line' not in result.output, result.output  # no traceback of the script's own
     assert "step " not in result.output, result.output
 
+
+
+# Injected: each training-mode dropout prints its process's rank and which of the first 16 values it zeroed.
+MASKS = """\
+import os
+import torch.nn.functional as F
+dropout = F.dropout
+def printed(input, p=0.5, training=True, inplace=False):
+    output = dropout(input, p, training, inplace)
+    if training and output.device.type != "meta":  # not the FLOP count's pass
+        print(f"rank {os.environ.get('RANK', '0')} zeroed {(output.flatten()[:16] == 0).nonzero().flatten().tolist()}",
+              flush=True)
+    return output
+F.dropout = printed
+"""
+
+
+def test_dropout_draws_its_own_masks_on_each_rank_and_again_after_a_resume(tmp_path):
+    """The convnet with dropout in ddp_torchrun.py: the ranks, training on different samples, zero different values
+    (each its own masks, not one mask twice), and a run stopped at step 4 and resumed ends on the uninterrupted
+    run's weights and AdamW state, bit for bit: a resumed step draws the masks it drew the first time."""
+    path = with_model("ddp_torchrun.py", tmp_path, "convnet with dropout")
+    flags = [*FLAGS, "--ckpt-every", 4, "--eval-every", 4]
+    whole = run(path, *flags, "--max-steps", 8, "--ckpt-dir", tmp_path / "whole", "--log-dir", tmp_path / "tb",
+                env=injected(tmp_path, MASKS))
+    assert whole.returncode == 0, whole.output
+    # Not anchored to lines: the ranks write to one pipe, and two reports can land on one line.
+    masks = {rank: re.findall(rf"rank {rank} zeroed (\[[\d, ]*\])", whole.output) for rank in "01"}
+    assert len(masks["0"]) == len(masks["1"]) == 8 * 2, whole.output  # a dropout per micro-batch, 2 a step
+    assert sum(a != b for a, b in zip(masks["0"], masks["1"])) >= 14, masks  # 16 values each: rarely all alike
+    for steps in (4, 8):
+        result = run(path, *flags, "--max-steps", steps, "--ckpt-dir", tmp_path / "halves", "--log-dir",
+                     tmp_path / f"tb{steps}")
+        assert result.returncode == 0, result.output
+    assert "resumed from" in result.output, result.output
+    assert_identical(load(tmp_path / "halves"), load(tmp_path / "whole"))
