@@ -223,7 +223,7 @@ def setup(args):
     """Pick this process's device."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_float32_matmul_precision("high")  # fp32 matmuls on TF32 tensor cores (Ampere on)
-    torch.manual_seed(args.seed)  # a model without init_tensor(); training reseeds each step
+    torch.manual_seed(args.seed)  # a model without init_tensor(); main() reseeds by rank
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # local rank r: GPU r
         torch.cuda.set_device(device)
@@ -495,6 +495,7 @@ def main(args):
              f" x {world_size} processes")
     checkpoints = args.ckpt_dir and complete_checkpoints(args.ckpt_dir)  # the newest resumes
     step = load_checkpoint(checkpoints[-1], model, optimizer, others, config) if checkpoints else 0
+    torch.manual_seed(args.seed + step * world_size + rank)  # dropout: each rank its own masks
     sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
     val_set = Subset(val_set, range(rank, len(val_set), world_size))  # exact: no padding
     loader = functools.partial(DataLoader, batch_size=per_process_batch_size,
@@ -519,7 +520,6 @@ def main(args):
                 sampler.set_epoch(step // steps_per_epoch)  # epoch's order, the same on every rank
                 train_loader.sampler.start = step % steps_per_epoch * args.batch_size // world_size
                 micro_batches = iter(train_loader)
-            torch.manual_seed(args.seed + step * world_size + rank)  # dropout: per rank, resumable
             loss = train_step(train_model, optimizer, scheduler, scaler, micro_batches, args,
                               device)
             step += 1

@@ -227,7 +227,7 @@ def setup(args):
     """Pick this process's device."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_float32_matmul_precision("high")  # fp32 matmuls on TF32 tensor cores (Ampere on)
-    torch.manual_seed(args.seed)  # a model without init_tensor(); training reseeds each step
+    torch.manual_seed(args.seed)  # a model without init_tensor(); main() reseeds by rank
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # local rank r: GPU r
         torch.cuda.set_device(device)
@@ -551,6 +551,7 @@ def main(args):
              f"{args.batch_size // args.grad_accum}")
     checkpoints = args.ckpt_dir and complete_checkpoints(args.ckpt_dir)  # the newest resumes
     step = load_checkpoint(checkpoints[-1], model, optimizer, others, config) if checkpoints else 0
+    torch.manual_seed(args.seed + step * world_size + rank)  # dropout: each rank its own masks
     sampler = RandomSampler(train_set, generator=torch.Generator())
     loader = functools.partial(DataLoader, batch_size=args.batch_size,  # whole, on every rank
                                num_workers=args.workers, persistent_workers=args.workers > 0,
@@ -575,7 +576,6 @@ def main(args):
                 sampler.generator.manual_seed(args.seed + step // steps_per_epoch)  # epoch's order
                 train_loader.sampler.start = step % steps_per_epoch * args.batch_size
                 batches = iter(train_loader)
-            torch.manual_seed(args.seed + step * world_size + rank)  # dropout: per rank, resumable
             loss = train_step(schedule, model, optimizer, scheduler, batches, args, device)
             step += 1
             if args.profile:

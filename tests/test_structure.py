@@ -30,7 +30,7 @@ STRATEGY_CALL = {"dataparallel.py": ("single_gpu.py", "DataParallel("),
                  "pipeline.py": ("single_gpu.py", "PipelineStage(")}
 # main() in lines, from `def main` to its last line (before `if __name__`; in ddp_spawn.py, `def run`), blank lines
 # inside it included: issue 43's 70 at most, in every script (fsdp.py's 72 since the save group got --timeout and
-# training reseeds each step for dropout).
+# training reseeds by rank for dropout).
 MAX_MAIN_LINES = {**dict.fromkeys(SCRIPTS, 70), "fsdp.py": 72}
 
 
@@ -93,7 +93,7 @@ def test_lines_fit_in_100_columns(script):
 
 
 # issue 43's target for single_gpu.py is 450 lines: 494 after it (the closing note of issue 43 says what the rest
-# would cost), 495 since training reseeds each step for dropout, held here so that it does not grow; every other
+# would cost), 495 since training reseeds by rank for dropout, held here so that it does not grow; every other
 # script at most 600 (pipeline.py 602: it also refuses 1F1B with fewer micro-batches than stages).
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_is_short_enough_to_read_whole(script):

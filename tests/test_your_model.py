@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from conftest import (DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, WARNING, assert_identical, injected, load,
-                      max_param_diff, run, scalars)
+from conftest import DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, WARNING, injected, load, max_param_diff, run, scalars
 
 # The replacement sections, written once for every script: all that main() needs from them is add_data_args,
 # build_datasets, add_model_args, build_model, loss_fn, and the model's optional init_tensor, embed, blocks, output.
@@ -323,22 +322,13 @@ F.dropout = printed
 """
 
 
-def test_dropout_draws_its_own_masks_on_each_rank_and_again_after_a_resume(tmp_path):
+def test_dropout_draws_its_own_masks_on_each_rank(tmp_path):
     """The convnet with dropout in ddp_torchrun.py: the ranks, training on different samples, zero different values
-    (each its own masks, not one mask twice), and a run stopped at step 4 and resumed ends on the uninterrupted
-    run's weights and AdamW state, bit for bit: a resumed step draws the masks it drew the first time."""
+    (each its own masks, not one mask twice)."""
     path = with_model("ddp_torchrun.py", tmp_path, "convnet with dropout")
-    flags = [*FLAGS, "--ckpt-every", 4, "--eval-every", 4]
-    whole = run(path, *flags, "--max-steps", 8, "--ckpt-dir", tmp_path / "whole", "--log-dir", tmp_path / "tb",
-                env=injected(tmp_path, MASKS))
-    assert whole.returncode == 0, whole.output
+    result = run(path, *FLAGS, "--max-steps", 8, "--log-dir", tmp_path / "tb", env=injected(tmp_path, MASKS))
+    assert result.returncode == 0, result.output
     # Not anchored to lines: the ranks write to one pipe, and two reports can land on one line.
-    masks = {rank: re.findall(rf"rank {rank} zeroed (\[[\d, ]*\])", whole.output) for rank in "01"}
-    assert len(masks["0"]) == len(masks["1"]) == 8 * 2, whole.output  # a dropout per micro-batch, 2 a step
+    masks = {rank: re.findall(rf"rank {rank} zeroed (\[[\d, ]*\])", result.output) for rank in "01"}
+    assert len(masks["0"]) == len(masks["1"]) == 8 * 2, result.output  # a dropout per micro-batch, 2 a step
     assert sum(a != b for a, b in zip(masks["0"], masks["1"])) >= 14, masks  # 16 values each: rarely all alike
-    for steps in (4, 8):
-        result = run(path, *flags, "--max-steps", steps, "--ckpt-dir", tmp_path / "halves", "--log-dir",
-                     tmp_path / f"tb{steps}")
-        assert result.returncode == 0, result.output
-    assert "resumed from" in result.output, result.output
-    assert_identical(load(tmp_path / "halves"), load(tmp_path / "whole"))
