@@ -306,7 +306,6 @@ def test_pipeline_refuses_a_model_without_the_pieces(tmp_path):
     assert "step " not in result.output, result.output
 
 
-
 # Injected: each training-mode dropout prints its process's rank and which of the first 16 values it zeroed.
 MASKS = """\
 import os
