@@ -11,8 +11,9 @@ benchmark that prints figures, not a test (pytest does not collect it).
         --batch-size 16 --max-steps 120 --log-every 20   # GPT-2 small's shape on one GPU
 
 Each script's figure is the median of its logging intervals after the first two (compilation, the first
-evaluation); the bare loop's is timed over the same steps. --nproc processes for the distributed scripts
-(default 1: on one GPU, what each wrapper costs over none).
+evaluation); the bare loop's is timed over the same steps. The ratio is the median of each run's against the
+bare loop run after it, printed with their range: a slow spell of the machine moves both of a pair. --nproc
+processes for the distributed scripts (default 1: on one GPU, what each wrapper costs over none).
 """
 
 import argparse
@@ -143,11 +144,13 @@ def main():
                                        f"{config.replace(' ', '')}"))
                 print(f"  {config} {mode}: script {results[-1][0]:,.0f}, bare {results[-1][1]:,.0f} tokens/s",
                       flush=True)
-    print(f"\n{'config':<28} {'mode':<9} {'script':>12} {'bare loop':>12} {'ratio':>6}   (tokens/s, medians of "
-          f"{args.repeats}; {args.nproc} process(es))")
-    for (config, mode), results in runs.items():
+    print(f"\n{'config':<28} {'mode':<9} {'script':>12} {'bare loop':>12} {'ratio':>6}  {'range':>9}   (tokens/s, "
+          f"medians of {args.repeats}; {args.nproc} process(es))")
+    for (config, mode), results in runs.items():  # a ratio per run and its bare loop, run back to back
         script, bare = (statistics.median(r[i] for r in results) for i in (0, 1))
-        print(f"{config:<28} {mode:<9} {script:>12,.0f} {bare:>12,.0f} {script / bare:>6.2f}")
+        ratios = [s / b for s, b in results]
+        print(f"{config:<28} {mode:<9} {script:>12,.0f} {bare:>12,.0f} {statistics.median(ratios):>6.2f}  "
+              f"{min(ratios):.2f}-{max(ratios):.2f}")
 
 
 if __name__ == "__main__":
