@@ -4,7 +4,8 @@ weights and AdamW state), saving every 2 of 8 steps by default with torch's dist
 copy from a thread), synchronously (each save waited for at once), and without saving. Prints how long each save
 stopped the loop, and of that the wait for the write before; the CPU time of a synchronous save (the loop stands
 still meanwhile); how long the run waited at its end for the last write; the run's wall time, what saving added to
-it, and that as a share of what synchronous saves added; and the process's peak resident memory. With --repeats N
+it, and that as a share of what synchronous saves added, also before the last save (the one the run ends on, which
+no background save can hide); and the process's peak resident memory. With --repeats N
 the three run in turn N times, and the medians of their wall times give the share. A benchmark that prints figures,
 not a test (pytest does not collect it).
 
@@ -105,8 +106,14 @@ def run(config, args, walls):
     walls[config] = figures["wall"]
     added = walls[config] - walls["no checkpoints"]
     of_sync = share(walls[config], walls) if "synchronous" in walls else "-"
+    # The run's last save and the wait for its write: no background save hides the one the run ends on.
+    befores = walls.setdefault("before the last save", {"no checkpoints": walls["no checkpoints"]})
+    befores[config] = figures["wall"] - (figures["stalls"][-1] + figures["final_wait"] if figures["stalls"] else 0)
     print(f"{config:<18} {seconds[0]:>11} {seconds[1]:>11} {seconds[2]:>15} {seconds[3]:>10} {seconds[4]:>9} "
           f"{figures['wall']:>6.1f} s {added:>6.1f} s {of_sync:>8} {figures['peak_rss'] / 2**30:>8.2f} GiB", flush=True)
+    if config == "in the background" and "synchronous" in befores:
+        print(f"{'':<18} before its last save, the run took {befores[config] - befores['no checkpoints']:.1f} s more "
+              f"than without saves: {share(befores[config], befores)} of what synchronous saves added before theirs")
     if figures["cpu_times"]:
         user, kernel = (statistics.median(times) for times in zip(*figures["cpu_times"]))
         print(f"{'':<18} each used {user:.2f} s of CPU in Python and torch, {kernel:.2f} s in the kernel (medians)")
@@ -132,8 +139,11 @@ def main():
             run(config, args, walls)
     if args.repeats > 1:
         median = {config: statistics.median(walls[config] for walls in rounds) for config in CONFIGS}
+        before = {config: statistics.median(walls["before the last save"][config] for walls in rounds)
+                  for config in CONFIGS}
         print(f"medians of {args.repeats}: " + ", ".join(f"{config} {median[config]:.1f} s" for config in CONFIGS)
-              + f"; in the background added {share(median['in the background'], median)} of what synchronous added")
+              + f"; in the background added {share(median['in the background'], median)} of what synchronous added"
+              + f", {share(before['in the background'], before)} before the last save")
     print(f"{args.max_steps} steps, a save every {args.ckpt_every}: how long each save stopped the training loop "
           "('then, each': the median of the saves between the first and the last, and of that the wait for the write "
           "before, which saves too close together add); 'end wait': the run waiting for the last write before it "
