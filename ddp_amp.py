@@ -443,6 +443,10 @@ def wait_for_checkpoint(saving, args):
 def complete_checkpoints(ckpt_dir):
     """The checkpoints in ckpt_dir with their .metadata, by step (step-1000000 after step-999999):
     a crash mid-save leaves a directory without it, and the one before as the newest."""
+    with contextlib.suppress(OSError):  # main() asks before any step: a bad path fails there
+        os.makedirs(ckpt_dir, exist_ok=True)
+    if not (os.path.isdir(ckpt_dir) and os.access(ckpt_dir, os.W_OK | os.X_OK)):
+        fail(f"cannot write in --ckpt-dir {ckpt_dir}")
     done = glob.glob(os.path.join(glob.escape(ckpt_dir), "step-*", ".metadata"))
     return sorted(map(os.path.dirname, done), key=lambda path: (len(path), path))
 

@@ -49,6 +49,14 @@ def test_a_bad_flag_ends_the_process_with_argparses_line():
     assert result.returncode == 2 and "step " not in result.output, result.output
 
 
+def test_a_ckpt_dir_it_cannot_write_in_ends_every_rank_before_the_first_step(tmp_path):
+    """A path through a file: DCP would find out at the first save, --ckpt-every steps in, with a traceback."""
+    (tmp_path / "file").touch()
+    ckpt_dir = tmp_path / "file" / "ckpt"
+    result = refused("ddp_torchrun.py", ["--ckpt-dir", ckpt_dir], f"cannot write in --ckpt-dir {ckpt_dir}")
+    assert "step " not in result.output, result.output
+
+
 def section_refuses(args, build, monkeypatch):
     """The line with which single_gpu.py's data or model section, `build`(module, parsed args), ends the run given
     `args`: called in this process, as main() calls it (the sections are every script's: tests/test_structure.py)."""
