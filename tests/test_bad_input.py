@@ -49,7 +49,7 @@ def test_a_bad_flag_ends_the_process_with_argparses_line():
     assert result.returncode == 2 and "step " not in result.output, result.output
 
 
-def test_a_ckpt_dir_it_cannot_write_in_ends_every_rank_before_the_first_step(tmp_path):
+def test_a_ckpt_dir_it_cannot_write_in_ends_the_run_before_the_first_step(tmp_path):
     """A path through a file: DCP would find out at the first save, --ckpt-every steps in, with a traceback."""
     (tmp_path / "file").touch()
     ckpt_dir = tmp_path / "file" / "ckpt"
