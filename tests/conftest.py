@@ -319,10 +319,11 @@ def error_lines(script, output):
     return [part.split("\n", 1)[0] for part in re.split(rf"(?={re.escape(script)}: error: )", output)[1:]]
 
 
-def fails_cleanly(script, args, message, timeout=60, flags=TINY, nproc=2, env=None):
+def fails_cleanly(script, args, message, timeout=180, flags=TINY, nproc=2, env=None):
     """Run `script` with `args`, which it must refuse: a non-zero exit, a line `script: error: ...` (or argparse's
     `script: error: argument ...`) that holds `message`, and no traceback of the script's own code (torchrun's agent
-    reports a failed worker with its own traceback, which names the script's file only as a path)."""
+    reports a failed worker with its own traceback, which names the script's file only as a path). A refusal takes
+    a start-up, 7 to 20 s under torchrun on 2 busy cores: `timeout` leaves room for a machine several times slower."""
     with tempfile.TemporaryDirectory() as tmp:  # not runs/ in the repository; a test's own --log-dir comes later
         result = run(script, *flags, "--log-dir", tmp, *args, timeout=timeout, nproc=nproc, env=env)
     assert result.returncode != 0, result.output

@@ -2,6 +2,7 @@
 checks communication, refuses a bad environment at once, and builds SLURM's command lines."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -64,7 +65,9 @@ def test_killed_worker_restarts_from_the_newest_checkpoint_and_ends_bit_for_bit(
     result = launch("ddp_torchrun.py", *train_flags(tmp_path),
                     env={**injected(tmp_path, KILL_AFTER_THE_CHECKPOINT), "CKPT_DIR": str(tmp_path / "ckpt")})
     assert result.returncode == 0, result.output
-    assert "failed (exitcode: -9) local_rank: 1" in result.output, result.output  # torchrun saw the kill
+    # torchrun saw a failure: its line names the kill, or rank 0's collective that failed after it where both landed
+    # in one of torchrun's checks (it times them in whole seconds). The one restart shows in the one resume below.
+    assert re.search(r"failed \(exitcode: (-9|1)\) local_rank: [01] ", result.output), result.output
     resumed = [line for line in result.output.splitlines() if line.startswith("resumed from")]
     assert resumed == [f"resumed from {tmp_path / 'ckpt' / 'step-000008'} at step 8"], result.output
     assert_same_state(tmp_path / "ckpt", trained["ddp_torchrun.py"])

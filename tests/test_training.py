@@ -100,8 +100,9 @@ getitems = Subset.__getitems__
 
 def counted_getitems(self, indices):
     if isinstance(self.indices, range) and self.indices.start == 0 and not isinstance(self.dataset, Subset):
+        where = "worker" if torch.utils.data.get_worker_info() else "main"  # which process fetched it
         with open(os.environ["FETCHES"], "a") as f:
-            f.write("fetched\\n" * len(indices))
+            f.write(f"{where}\\n" * len(indices))
     return getitems(self, indices)
 
 Subset.__getitems__ = counted_getitems
@@ -114,8 +115,15 @@ Subset.__getitems__ = counted_getitems
 GLOO_THREADS_AT_EXIT = """
 import atexit, os, sys
 
+def name(task):  # a thread that ends meanwhile has none
+    try:
+        with open(f"/proc/self/task/{task}/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return ""
+
 def report():
-    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+    names = [name(task) for task in os.listdir("/proc/self/task")]
     # A rank (torchrun's, or ddp_spawn.py's run() sets it), or another: torchrun, or a loader worker (which on
     # torch 2.10 may end with its stdout closed: nothing to report to).
     loader_worker = "torch.utils.data" in sys.modules and sys.modules["torch.utils.data"].get_worker_info()
@@ -150,11 +158,13 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     # fetches what steps 9 to 16 train on, 8 samples a step (every stage of pipeline.py loads whole batches), and a
     # worker what it prefetches past that: per rank, each of the 2 epochs' last, partial batch of 2 samples, and at
     # most 2 batches of 4 at the end (12 samples on this machine): at most 2 x (2 x 2 + 2 x 4) = 24.
-    fetched, trained_on = len((tmp_path / "fetches").read_text().split()), (STEPS - HALF) * 8
+    fetches, trained_on = (tmp_path / "fetches").read_text().split(), (STEPS - HALF) * 8
+    fetched = len(fetches)
     if script == "pipeline.py":
         trained_on *= 2
     print(f"\n{script} --workers {workers}: resumed at step {HALF}, fetched {fetched} samples to train on {trained_on}")
     assert fetched == trained_on if workers == 0 else trained_on <= fetched <= trained_on + 24
+    assert set(fetches) == {"worker" if workers else "main"}  # the loader's own processes, with --workers
 
     # Every process reports: the ranks, and what started them. Not anchored to lines: the ranks write to one pipe, and
     # two reports can land on one line.
