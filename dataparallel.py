@@ -222,6 +222,8 @@ def setup(args):
 def prepare_model(model, args, device):
     """Give the model its initial weights, on this device, compiled with --compile (in place: the
     state dict keeps its names); return it as training runs it."""
+    if args.compile and device.type == "cuda" and torch.cuda.device_count() > 1:
+        fail("--compile takes one GPU: each nn.DataParallel replica would run GPU 0's model")
     init_weights(model, args.seed)
     model.to(device)
     if args.compile:
@@ -450,7 +452,7 @@ def main(args):
     val_batches = min(len(val_set) // args.batch_size, args.eval_batches)  # one shape, one compile
     val_set = Subset(val_set, range(val_batches * args.batch_size))
     model, config = build_model(args, info)
-    train_model = prepare_model(model, args, device)  # evaluation and checkpoints use `model`
+    train_model = prepare_model(model, args, device)  # checkpoints use `model`
     optimizer, scheduler = configure_optimizer(model, args)
     others = {"scheduler": scheduler}  # checkpointed beside the model and the optimizer
     log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters on {device} | global "

@@ -564,4 +564,6 @@ if __name__ == "__main__":
         while not context.join():
             pass
     except mp.ProcessExitedException as error:  # the process said why, or was stopped (75)
-        sys.exit(error.exit_code if error.exit_code > 0 else 1)
+        if error.exit_code < 0:  # or was killed, and said nothing
+            fail(error)  # "process 1 terminated with signal SIGKILL"
+        sys.exit(error.exit_code)

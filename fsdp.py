@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
@@ -240,11 +240,20 @@ def setup(args):
 def prepare_model(model, args, device):
     """Shard the model in place: each block a unit that FSDP gathers just before it runs and frees
     after, the root the rest; then give each rank's shards their initial values, on this device."""
+    if not hasattr(model, "blocks") and (args.compile or args.activation_checkpointing):
+        fail("--compile and --activation-checkpointing work on the model's blocks: it has none")
     n, r = dist.get_world_size(), args.replicate  # --replicate R: R replicas of N/R shards
     if n % r:
         fail(f"--replicate {r} does not divide {n} processes evenly")
-    mesh = (init_device_mesh(device.type, (n,)) if r == 1 else  # explicit: the default assumes GPUs
-            init_device_mesh(device.type, (r, n // r), mesh_dim_names=("replicate", "shard")))
+    # The mesh's groups wait --timeout: init_device_mesh's own would wait torch's default (30 min).
+    if r == 1:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    else:  # row i: replica i's N/R shards; column j: shard j's R replicas
+        timeout, grid = datetime.timedelta(seconds=args.timeout), torch.arange(n).view(r, n // r)
+        shards, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)
+        replicas, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=timeout)
+        mesh = DeviceMesh.from_group([replicas, shards], device.type, mesh=grid,
+                                     mesh_dim_names=("replicate", "shard"))
     # 16 bits: weights gathered and computed in 16 bits, gradients reduced in fp32 into fp32 shards.
     param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     for block in model.blocks.values() if hasattr(model, "blocks") else []:

@@ -236,13 +236,18 @@ def setup(args):
         timeout=datetime.timedelta(seconds=args.timeout))
     return device
 
-def prepare_model(model, args, device, sample):
+def prepare_model(model, args, device, sample, info):
     """This rank's stages, each sending activations on and gradients back, and their schedules."""
     stages, num_stages = split_model(model, args, sample)  # this rank's: (s, module, input, output)
     train_stages, eval_stages = ([PipelineStage(module, s, num_stages, device, inputs, outputs)
                                   for s, module, inputs, outputs in stages] for _ in range(2))
     model.to_empty(device=device)  # allocates this rank's stages, uninitialised
     init_weights(model, args.seed)
+    if not hasattr(model, "init_tensor"):  # the constructor's values: built whole, ours kept
+        whole = build_model(args, info)[0]
+        model.load_state_dict(whole.state_dict(), strict=False)
+        for name, buffer in model.named_buffers():  # and those a state dict leaves out
+            buffer.copy_(whole.get_buffer(name))
     for block in model.blocks.children() if args.activation_checkpointing else []:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     for stage in train_stages if args.compile else []:  # in place: the state dict keeps its names
@@ -250,16 +255,18 @@ def prepare_model(model, args, device, sample):
     schedule_class = {"gpipe": ScheduleLoopedBFS, "1f1b": ScheduleInterleaved1F1B,
                       "zero-bubble": ScheduleInterleavedZeroBubble}[args.schedule]  # V per process
     if args.schedule == "1f1b" and args.stages_per_process == 1:  # interleaved: more in flight
-        if args.grad_accum < num_stages:  # it fills every stage before the first backward
-            fail(f"--schedule 1f1b on {num_stages} stages needs --grad-accum {num_stages} or more")
         schedule_class, train_stages = Schedule1F1B, train_stages[0]
-    schedule = schedule_class(train_stages, n_microbatches=args.grad_accum, loss_fn=loss_fn)
+    try:  # torch refuses too few micro-batches for the stages, or a number its rounds do not divide
+        schedule = schedule_class(train_stages, n_microbatches=args.grad_accum, loss_fn=loss_fn)
+    except ValueError as error:
+        fail(f"--schedule {args.schedule}, --grad-accum {args.grad_accum} micro-batches: {error}")
     # Evaluation has stages of its own: on torch 2.10 a stage's first pass fixes its inputs' grads.
     return schedule, ScheduleLoopedBFS(eval_stages, n_microbatches=args.grad_accum), eval_stages
 
 def split_model(model, args, sample):
-    """Cut the model into stages, runs of blocks, embed()'s modules on the first, output()'s on the
-    last; delete the other ranks'. Returns this rank's, with a micro-batch's inputs and outputs."""
+    """Cut the model into stages, runs of blocks, the modules registered before blocks (embed()'s)
+    on the first, those after (output()'s) on the last; delete the other ranks'. Returns this
+    rank's, with a micro-batch's inputs and outputs."""
     if not all(hasattr(model, part) for part in ("embed", "blocks", "output")):
         fail(f"{type(model).__name__} lacks embed(), a ModuleDict named blocks, or output()")
     rank, world_size, stages = dist.get_rank(), dist.get_world_size(), []
@@ -545,14 +552,12 @@ def main(args):
     val_set = Subset(val_set, range(val_batches * args.batch_size))
     with torch.device("meta"):  # shapes, no memory: no process ever holds the whole model
         model, config = build_model(args, info)
-    schedule, eval_schedule, eval_stages = prepare_model(model, args, device, train_set[0][0])
-    if not hasattr(model, "init_tensor"):  # the constructor's values: built whole, ours kept
-        model.load_state_dict(build_model(args, info)[0].state_dict(), strict=False)
+    schedule, eval_schedule, eval_stages = prepare_model(model, args, device, train_set[0][0], info)
     optimizer, scheduler = configure_optimizer(model, args)
     others = {"scheduler": scheduler}  # checkpointed beside the model and the optimizer
     log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters on rank 0's {device} | "
              f"global batch {args.batch_size} = {args.grad_accum} micro-batches of "
-             f"{args.batch_size // args.grad_accum}")
+             f"{args.batch_size // args.grad_accum} | {type(schedule).__name__}")
     checkpoints = args.ckpt_dir and complete_checkpoints(args.ckpt_dir)  # the newest resumes
     step = load_checkpoint(checkpoints[-1], model, optimizer, others, config) if checkpoints else 0
     torch.manual_seed(args.seed + step * world_size + rank)  # dropout: each rank its own masks

@@ -10,12 +10,6 @@ from conftest import (ROOT, STEPS, TINY, checkpoints, error_lines, fails_cleanly
                       resume_in)
 
 
-def refused(script, args, message, env=None):
-    """conftest.fails_cleanly, with room for a start-up on shared cores: most refusals come before the first step,
-    and cost only that (seconds; torchrun's more), but a loaded machine takes several times as long."""
-    return fails_cleanly(script, args, message, timeout=180, env=env)
-
-
 # The configuration section is the same code in every script but for each strategy's own flags
 # (tests/test_structure.py counts each diff exactly): single_gpu.py stands for all, ddp_torchrun.py for the
 # distributed flags. argparse says what is wrong with the flag, in its own words.
@@ -45,7 +39,7 @@ def test_bad_flags_are_refused_by_argparse(script, args, message, monkeypatch, c
 
 
 def test_a_bad_flag_ends_the_process_with_argparses_line():
-    result = refused("single_gpu.py", ["--lr", -1], "argument --lr: -1 is not > 0")
+    result = fails_cleanly("single_gpu.py", ["--lr", -1], "argument --lr: -1 is not > 0")
     assert result.returncode == 2 and "step " not in result.output, result.output
 
 
@@ -53,7 +47,7 @@ def test_a_ckpt_dir_it_cannot_write_in_ends_the_run_before_the_first_step(tmp_pa
     """A path through a file: DCP would find out at the first save, --ckpt-every steps in, with a traceback."""
     (tmp_path / "file").touch()
     ckpt_dir = tmp_path / "file" / "ckpt"
-    result = refused("ddp_torchrun.py", ["--ckpt-dir", ckpt_dir], f"cannot write in --ckpt-dir {ckpt_dir}")
+    result = fails_cleanly("ddp_torchrun.py", ["--ckpt-dir", ckpt_dir], f"cannot write in --ckpt-dir {ckpt_dir}")
     assert "step " not in result.output, result.output
 
 
@@ -81,19 +75,44 @@ def test_heads_must_divide_the_width(monkeypatch):
     ("pipeline.py", 7, "--batch-size 7 does not divide into --grad-accum 2"),
 ])
 def test_batch_size_must_split_evenly(script, batch, message):
-    refused(script, ["--batch-size", batch], message)
+    fails_cleanly(script, ["--batch-size", batch], message)
 
 
 def test_fsdp_replicas_must_divide_the_processes():
-    refused("fsdp.py", ["--replicate", 3], "--replicate 3 does not divide 2 processes evenly")
+    fails_cleanly("fsdp.py", ["--replicate", 3], "--replicate 3 does not divide 2 processes evenly")
+
+
+def test_dataparallel_refuses_compile_on_several_gpus(monkeypatch):
+    """nn.DataParallel's replicas copy the module's attributes, its compiled forward too, which runs GPU 0's weights
+    on every GPU's inputs. Two GPUs made believe, in this process: prepare_model refuses before it touches CUDA."""
+    module = import_script("dataparallel.py")
+    monkeypatch.setattr(sys, "argv", ["dataparallel.py", *TINY, "--compile"])
+    monkeypatch.setattr(module.torch.cuda, "device_count", lambda: 2)
+    args = module.parse_args()
+    model, _ = module.build_model(args, {"vocab_size": 256})
+    with pytest.raises(SystemExit) as stop:
+        module.prepare_model(model, args, module.torch.device("cuda"))
+    assert stop.value.code == ("dataparallel.py: error: --compile takes one GPU: each nn.DataParallel replica would "
+                               "run GPU 0's model")
+
+
+@pytest.mark.parametrize("flag", ["--compile", "--activation-checkpointing"])
+def test_fsdp_refuses_what_it_does_per_block_for_a_model_without_blocks(flag, monkeypatch):
+    """fsdp.py compiles and recomputes each block: a model without them would get neither, silently."""
+    module = import_script("fsdp.py")
+    monkeypatch.setattr(sys, "argv", ["fsdp.py", *TINY, flag])
+    with pytest.raises(SystemExit) as stop:
+        module.prepare_model(module.nn.Linear(2, 2), module.parse_args(), module.torch.device("cpu"))
+    assert stop.value.code == ("fsdp.py: error: --compile and --activation-checkpointing work on the model's blocks: "
+                               "it has none")
 
 
 def test_too_few_samples(tmp_path):
     # tiny.txt's 9 validation sequences make no whole batch of 64; 10 sequences leave 1 to validate on.
-    refused("single_gpu.py", ["--batch-size", 64], "84 training and 9 validation samples are too few")
+    fails_cleanly("single_gpu.py", ["--batch-size", 64], "84 training and 9 validation samples are too few")
     data = tmp_path / "ten.txt"
     data.write_bytes((ROOT / "tests" / "tiny.txt").read_bytes()[:10 * 16 + 1])
-    refused("ddp_torchrun.py", ["--data", data], "9 training and 1 validation samples are too few")
+    fails_cleanly("ddp_torchrun.py", ["--data", data], "9 training and 1 validation samples are too few")
 
 
 @pytest.mark.parametrize("size", [None, 16])  # none; as long as --seq-len 16, and no next byte to predict
@@ -118,9 +137,9 @@ def test_checkpoint_of_another_model_size_is_refused_and_kept(trained, script, t
     before = files(ckpt_dir)
     config = "{'vocab_size': 256, 'seq_len': 16, 'd_model': %d, 'n_layers': 2, 'n_heads': 2}"
     # --d-model 64 after the checkpoint's 32 (argparse keeps the last of a repeated flag).
-    result = refused(script, ["--d-model", 64, "--ckpt-dir", ckpt_dir, "--max-steps", 2 * STEPS],
-                     f"cannot resume from {ckpt_dir}/step-{STEPS:06d}: it holds a model {config % 32}, this run "
-                     f"builds {config % 64}")
+    result = fails_cleanly(script, ["--d-model", 64, "--ckpt-dir", ckpt_dir, "--max-steps", 2 * STEPS],
+                           f"cannot resume from {ckpt_dir}/step-{STEPS:06d}: it holds a model {config % 32}, this run "
+                           f"builds {config % 64}")
     assert "step " not in result.output, result.output
     assert files(ckpt_dir) == before
 
@@ -132,8 +151,8 @@ def test_corrupt_checkpoint_is_refused_and_kept(trained, script, tmp_path):
     data = ckpt_dir / f"step-{STEPS:06d}" / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
     before = files(ckpt_dir)
-    result = refused(script, ["--ckpt-dir", ckpt_dir, "--max-steps", 2 * STEPS],
-                     f"cannot resume from {ckpt_dir}/step-{STEPS:06d}: ")
+    result = fails_cleanly(script, ["--ckpt-dir", ckpt_dir, "--max-steps", 2 * STEPS],
+                           f"cannot resume from {ckpt_dir}/step-{STEPS:06d}: ")
     assert "step " not in result.output, result.output
     assert files(ckpt_dir) == before
 
@@ -176,9 +195,9 @@ def saved_nothing_from(ckpt_dir, step, written):
 @pytest.mark.parametrize("script", ["single_gpu.py", "ddp_torchrun.py"])
 def test_a_loss_that_turns_nan_stops_the_run_without_saving(script, tmp_path):
     ckpt_dir = tmp_path / "ckpt"
-    result = refused(script, ["--ckpt-every", 2, "--keep-checkpoints", 5, "--ckpt-dir", ckpt_dir],
-                     "the loss is nan at step 6: training diverged; try a lower --lr",
-                     env=poisoned(tmp_path, 5, rank=0 if script == "ddp_torchrun.py" else None))
+    result = fails_cleanly(script, ["--ckpt-every", 2, "--keep-checkpoints", 5, "--ckpt-dir", ckpt_dir],
+                           "the loss is nan at step 6: training diverged; try a lower --lr",
+                           env=poisoned(tmp_path, 5, rank=0 if script == "ddp_torchrun.py" else None))
     assert "step     6 | loss" not in result.output, result.output
     assert len(error_lines(script, result.output)) == (2 if script == "ddp_torchrun.py" else 1), result.output
     saved_nothing_from(ckpt_dir, 6, written=2)
@@ -189,8 +208,8 @@ def test_a_loss_that_turns_nan_stops_the_run_without_saving(script, tmp_path):
 @pytest.mark.parametrize("script", ["fsdp.py", "pipeline.py"])
 def test_non_finite_weights_on_one_rank_stop_every_rank_without_saving(script, tmp_path):
     ckpt_dir = tmp_path / "ckpt"
-    result = refused(script, ["--ckpt-every", 1, "--keep-checkpoints", 5, "--ckpt-dir", ckpt_dir],
-                     "the weights are not finite at step 3: diverged, and not saved",
-                     env=poisoned(tmp_path, 3, rank=1))
+    result = fails_cleanly(script, ["--ckpt-every", 1, "--keep-checkpoints", 5, "--ckpt-dir", ckpt_dir],
+                           "the weights are not finite at step 3: diverged, and not saved",
+                           env=poisoned(tmp_path, 3, rank=1))
     assert len(error_lines(script, result.output)) == 2, result.output  # rank 0's are finite: it heard from rank 1
     saved_nothing_from(ckpt_dir, 3, written=1)

@@ -12,7 +12,8 @@ from conftest import (HALF, PARAM_ATOL, STEPS, TINY, WARNING, injected, load, ma
 
 # Run in every rank by the optimizer's own step hook: the bytes this rank holds once the gradients and AdamW's
 # state exist, counted from the tensors themselves (a DTensor's local shard), and, for the bounds, the bytes and
-# rows of every whole parameter, and the sums of the local shards (which rows: the same in a replica of them).
+# rows of every whole parameter, and the sums of the local shards (which rows: the same in a replica of them); and
+# how long each group of the mesh waits for a stuck rank (private names: a test's, not the script's).
 MEASURE_SHARDS = """
 import json, os, torch
 from torch.distributed.tensor import DTensor
@@ -27,7 +28,9 @@ def measure(optimizer, args, kwargs):
     held = {"weights": sum(local(p).nbytes for p in params), "gradients": sum(local(p.grad).nbytes for p in params),
             "optimizer": sum(local(t).nbytes for t in state), "whole": sum(p.nbytes for p in params),
             "rows": sum(p.nbytes // p.shape[0] for p in params), "params": len(params),
-            "sums": [local(p).double().sum().item() for p in params]}
+            "sums": [local(p).double().sum().item() for p in params],
+            "timeouts": [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                         for g in params[0].device_mesh.get_all_groups()]}
     with open(os.path.join(os.environ["MEASURE_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(held, f)
 
@@ -180,16 +183,18 @@ def hybrid_halfway(tmp_path_factory):
     """fsdp.py --replicate 2 on 4 processes for HALF steps (2 replicas of 2 shards), each rank noting what it holds."""
     out = tmp_path_factory.mktemp("hybrid")
     env, held = measured(out, 4)
-    result = run("fsdp.py", *TINY, "--replicate", 2, "--max-steps", HALF, "--lr-decay-steps", STEPS, "--ckpt-dir",
-                 out / "ckpt", "--log-dir", out / "tb", nproc=4, env=env, timeout=300)
+    result = run("fsdp.py", *TINY, "--replicate", 2, "--timeout", 240, "--max-steps", HALF, "--lr-decay-steps", STEPS,
+                 "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb", nproc=4, env=env, timeout=300)
     assert result.returncode == 0, result.output
     return out / "ckpt", held()
 
 
 def test_hybrid_sharding_trains_like_one_process(halfway, hybrid_halfway):
     """2 replicas of 2 shards: each process holds half the training state, as 2 processes of full sharding do,
-    the two replicas hold the same rows (rank 2 rank 0's), and the weights are single_gpu.py's."""
+    the two replicas hold the same rows (rank 2 rank 0's), and the weights are single_gpu.py's. Both groups of the
+    mesh wait --timeout (240 s) for a stuck rank, not torch's default for a new group (30 min)."""
     ckpt_dir, held = hybrid_halfway
+    assert [rank["timeouts"] for rank in held] == [[240, 240]] * 4
     check_shards(held, 2)
     assert held[0:2] == held[2:4], held
     difference = max_param_diff(load(ckpt_dir)["model"], load(halfway["single_gpu.py"].ckpt_dir)["model"])

@@ -19,10 +19,12 @@ def differences(reference, ckpt_dir, log_dir):
     return weights, max(abs(expected[step] - got[step]) for step in expected)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
-def test_each_schedule_trains_like_single_gpu(trained, schedule, tmp_path):
+@pytest.mark.parametrize("schedule, schedule_class", [
+    ("gpipe", "ScheduleLoopedBFS"), ("1f1b", "Schedule1F1B"), ("zero-bubble", "ScheduleInterleavedZeroBubble")])
+def test_each_schedule_trains_like_single_gpu(trained, schedule, schedule_class, tmp_path):
     """Two stages, 2 micro-batches a step (TINY's --grad-accum 2). The stages send activations and gradients
-    unchanged; only the whole-model norm for clipping adds in another order. 1f1b, the default, is `trained`'s run."""
+    unchanged; only the whole-model norm for clipping adds in another order, so the weights cannot tell the schedules
+    apart: the log line names the one that ran. 1f1b, the default, is `trained`'s run."""
     if schedule == "1f1b":
         run_, ckpt_dir, log_dir = trained["pipeline.py"].run, trained["pipeline.py"].ckpt_dir, trained["pipeline.py"].log_dir
     else:
@@ -33,6 +35,7 @@ def test_each_schedule_trains_like_single_gpu(trained, schedule, tmp_path):
     assert not WARNING.search(run_.output), run_.output
     assert "stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n" in run_.output, run_.output
     assert "stage 1 (rank 1): blocks.1, norm, head\n" in run_.output, run_.output
+    assert f"global batch 8 = 2 micro-batches of 4 | {schedule_class}\n" in run_.output, run_.output
     weights, losses = differences(trained["single_gpu.py"], ckpt_dir, log_dir)
     print(f"{schedule}: largest weight difference {weights:.2g}, largest logged-loss difference {losses:.2g}")
     assert weights <= PARAM_ATOL and losses <= LOSS_ATOL
@@ -49,7 +52,8 @@ def test_two_stages_per_process_train_like_single_gpu(tmp_path):
     assert result.returncode == 0, result.output
     assert not WARNING.search(result.output), result.output
     for line in ["stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n", "stage 1 (rank 1): blocks.1\n",
-                 "stage 2 (rank 0): blocks.2\n", "stage 3 (rank 1): blocks.3, norm, head\n"]:
+                 "stage 2 (rank 0): blocks.2\n", "stage 3 (rank 1): blocks.3, norm, head\n",
+                 "micro-batches of 4 | ScheduleInterleaved1F1B\n"]:
         assert line in result.output, result.output
     difference = max_param_diff(load(tmp_path / "ckpt")["model"], load(tmp_path / "single")["model"])
     print(f"2 stages per process: largest difference from single_gpu.py's weights {difference:.2g}")
@@ -74,7 +78,10 @@ def test_a_checkpoint_resumes_on_another_number_of_stages(trained, halfway, tmp_
     (["--stages-per-process", 2], "4 stages (processes x --stages-per-process) for 2 blocks", 2),
     (["--schedule", "zero-bubble", "--compile"], "--compile and --schedule zero-bubble do not mix", 1),
     (["--n-layers", 4, "--stages-per-process", 2], "--stages-per-process 2 is for several processes", 1),
-    (["--grad-accum", 1], "--schedule 1f1b on 2 stages needs --grad-accum 2 or more", 2),
+    # Torch's own checks of the micro-batches against the schedule, in one line.
+    (["--grad-accum", 1], "--schedule 1f1b, --grad-accum 1 micro-batches: Number of microbatches (1) must be", 2),
+    (["--n-layers", 4, "--stages-per-process", 2, "--batch-size", 5, "--grad-accum", 5],
+     "--schedule 1f1b, --grad-accum 5 micro-batches: Interleaved 1F1B requires the number of microbatches", 2),
 ])
 def test_what_it_cannot_run_is_refused(args, message, nproc):
     fails_cleanly("pipeline.py", args, message, nproc=nproc)

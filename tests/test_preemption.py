@@ -1,6 +1,7 @@
 """A job told to stop saves a checkpoint at the step the scripts document and exits 75, however the signal arrives,
 and the run started again ends on an uninterrupted run's weights, bit for bit; a job killed (SIGKILL) while a
-checkpoint is written in the background keeps the one before, which resumes bit for bit."""
+checkpoint is written in the background keeps the one before, which resumes bit for bit; ddp_spawn.py's parent
+names the signal that killed one of its processes."""
 
 import os
 import re
@@ -84,8 +85,39 @@ def held_write(self, *args, **kwargs):
 filesystem._FileSystemWriter.write_data = held_write
 """
 
-# Injected with --workers: Python 3.14's default start method on Linux, which the scripts' "spawn" overrides.
+# Injected: rank 1 kills itself (SIGKILL) in its third optimizer step, as the kernel's out-of-memory killer would.
+KILL_RANK_1 = """\
+import os, signal
+import torch
+
+step, steps = torch.optim.AdamW.step, []
+
+def dying_step(self, *args, **kwargs):
+    steps.append(None)
+    if len(steps) == 3 and os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return step(self, *args, **kwargs)
+
+torch.optim.AdamW.step = dying_step
+"""
+
+# Injected with --workers: Python 3.14's default start method on Linux, which the scripts' "spawn" overrides; and
+# each loader worker says so at its first fetch.
 FORKSERVER = "import multiprocessing\nmultiprocessing.set_start_method('forkserver')\n"
+LOADER_WORKER = """\
+import os
+import torch.utils.data
+
+getitems, said = torch.utils.data.Subset.__getitems__, []
+
+def saying_getitems(self, indices):
+    if torch.utils.data.get_worker_info() and not said:
+        print(f"a loader worker of rank {os.environ.get('RANK')} fetches", flush=True)
+        said.append(True)
+    return getitems(self, indices)
+
+torch.utils.data.Subset.__getitems__ = saying_getitems
+"""
 
 
 def hold(directory, step, rank, also=""):
@@ -164,7 +196,7 @@ def test_stop_signal_saves_at_the_documented_step_and_the_rerun_ends_bit_for_bit
     distributed = script != "single_gpu.py"
     loader = ["--workers", 1] if target == "torchrun" else []
     with Job(script, flags(tmp_path, "--ckpt-dir", tmp_path / "ckpt", *loader),
-             hold(tmp_path, HOLD_STEP, int(distributed), FORKSERVER * bool(loader)), tmp_path) as job:
+             hold(tmp_path, HOLD_STEP, int(distributed), (FORKSERVER + LOADER_WORKER) * bool(loader)), tmp_path) as job:
         job.wait_for(f"holding step {HOLD_STEP}")
         if target == "rank 1 alone":
             [pid] = [pid for pid, env in tagged_processes(job.tag).items() if env.get("RANK") == "1"]
@@ -183,6 +215,8 @@ def test_stop_signal_saves_at_the_documented_step_and_the_rerun_ends_bit_for_bit
         assert result.returncode != 0, result.output
     if distributed:
         assert all(f"rank {rank} exits with {STOPPED}" in result.output for rank in range(2)), result.output
+    if loader:  # the signal reached a loader worker that was there
+        assert all(f"a loader worker of rank {rank} fetches" in result.output for rank in range(2)), result.output
     assert checkpoints(tmp_path / "ckpt") == [tmp_path / "ckpt" / f"step-{step:06d}"]
 
     rerun = run(script, *flags(tmp_path, "--ckpt-dir", tmp_path / "ckpt"))
@@ -218,6 +252,15 @@ def test_a_kill_during_a_background_write_leaves_the_checkpoint_before_which_res
     assert rerun.returncode == 0, rerun.output
     assert f"resumed from {ckpt_dir / 'step-000004'} at step 4\n" in rerun.output, rerun.output
     assert_ends_like(trained["ddp_torchrun.py"], ckpt_dir)
+
+
+def test_ddp_spawns_parent_names_the_signal_that_killed_a_process(tmp_path):
+    """A process killed says nothing; torchrun would name the signal, and so does ddp_spawn.py's parent, in one
+    line, exit 1 (rank 0, in a collective with the dead rank, fails or is ended by the parent)."""
+    result = run("ddp_spawn.py", *flags(tmp_path, "--timeout", 30), env=injected(tmp_path, KILL_RANK_1))
+    assert result.returncode == 1, result.output
+    assert "ddp_spawn.py: error: process 1 terminated with signal SIGKILL" in result.output.splitlines(), \
+        result.output
 
 
 def test_a_rank_stuck_in_a_background_write_fails_after_timeout_and_keeps_the_checkpoint_before(tmp_path):

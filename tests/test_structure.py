@@ -16,11 +16,12 @@ SIBLING_IMPORT = re.compile(rf"^\s*(from|import)\s+({'|'.join(script[:-3] for sc
 # 43's targets where they are met, today's counts where no target was set (ddp_spawn.py, ddp_amp.py and fsdp.py are
 # held exactly against ddp_torchrun.py below). ddp_torchrun.py's target is 60: 69 after issue 43, 73 with issue 44's
 # gradients kept as DDP's bucket views and no graph cuts in a world of one, 76 with issue 45's --local-rank and srun,
-# 77 with the save group's --timeout.
-MAX_CHANGED_LINES = {"dataparallel.py": 25, "ddp_spawn.py": 102, "ddp_torchrun.py": 77, "ddp_amp.py": 96,
-                     "fsdp.py": 123, "pipeline.py": 250}
+# 77 with the save group's --timeout. ddp_spawn.py's +2 name the signal that killed a process; fsdp.py's +7 give
+# the mesh's groups --timeout, +2 refuse per-block flags for a model without blocks.
+MAX_CHANGED_LINES = {"dataparallel.py": 25, "ddp_spawn.py": 104, "ddp_torchrun.py": 77, "ddp_amp.py": 96,
+                     "fsdp.py": 132, "pipeline.py": 250}
 # Scripts derived from ddp_torchrun.py, and their exact diff against it (issue 43's targets: 40, 35 and 90).
-CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 37, "ddp_amp.py": 29, "fsdp.py": 78}
+CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 39, "ddp_amp.py": 29, "fsdp.py": 87}
 # The strategy's own call, which `diff -u` must show within its first 80 lines: a reader meets it on the first page,
 # not after the plumbing.
 STRATEGY_CALL = {"dataparallel.py": ("single_gpu.py", "DataParallel("),
@@ -94,12 +95,13 @@ def test_lines_fit_in_100_columns(script):
 
 # issue 43's target for single_gpu.py is 450 lines: 494 after it (the closing note of issue 43 says what the rest
 # would cost), 495 since training reseeds by rank for dropout, 499 since a bad --ckpt-dir fails before the first
-# step, held here so that it does not grow; every other script at most 600 (pipeline.py 606: that check, and its
-# refusal of 1F1B with fewer micro-batches than stages).
+# step, held here so that it does not grow; every other script at most 600 (pipeline.py 611: that check, its
+# refusal of micro-batches its schedule cannot run, and the buffers a model without init_tensor() keeps outside its
+# state dict).
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_is_short_enough_to_read_whole(script):
     lines = len(source(script).splitlines())
-    assert lines <= {"single_gpu.py": 499, "pipeline.py": 606}.get(script, 600), f"{script}: {lines} lines"
+    assert lines <= {"single_gpu.py": 499, "pipeline.py": 611}.get(script, 600), f"{script}: {lines} lines"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

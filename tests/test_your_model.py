@@ -103,7 +103,9 @@ def build_model(args, info):
 # A stand-in for a torchvision ResNet, with its layout and names (torchvision is no dependency of ours): a stem, four
 # layers of residual blocks with BatchNorm, each layer but the first halving the image, average pooling, and a head
 # that forward() reaches through torch.flatten. Scaled to 12x12 images: a 3x3 first convolution, a pooling of stride 1.
-# No init_tensor(): its constructor's values, and fsdp.py and pipeline.py build it whole on the CPU.
+# No init_tensor(): its constructor's values, and fsdp.py and pipeline.py build it whole on the CPU. Its residual
+# blocks keep a buffer outside the state dict (persistent=False), as models keep attention masks or rotary tables:
+# it too must hold the constructor's value in every script, pipeline.py's stages included, which start empty.
 RESNET = '''
 
 def add_model_args(parser):
@@ -117,6 +119,7 @@ class BasicBlock(nn.Module):
         self.relu = nn.ReLU()
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(channels)
+        self.register_buffer("residual_scale", torch.tensor(0.5), persistent=False)  # not in the state dict
         self.downsample = None
         if stride != 1 or channels_in != channels:
             self.downsample = nn.Sequential(nn.Conv2d(channels_in, channels, 1, stride=stride, bias=False),
@@ -124,7 +127,7 @@ class BasicBlock(nn.Module):
 
     def forward(self, x):
         identity = x if self.downsample is None else self.downsample(x)
-        return self.relu(self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + identity)
+        return self.relu(self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + self.residual_scale * identity)
 
 class ResNet(nn.Module):
     def __init__(self, num_classes, width):
