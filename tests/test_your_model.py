@@ -119,7 +119,7 @@ class BasicBlock(nn.Module):
         self.relu = nn.ReLU()
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(channels)
-        self.register_buffer("residual_scale", torch.tensor(0.5), persistent=False)  # not in the state dict
+        self.register_buffer("residual_scale", torch.tensor(1.0), persistent=False)  # not in the state dict
         self.downsample = None
         if stride != 1 or channels_in != channels:
             self.downsample = nn.Sequential(nn.Conv2d(channels_in, channels, 1, stride=stride, bias=False),
