@@ -300,7 +300,8 @@ in_job() {  # COMMAND...: run a SLURM job's training step; after a stop signal, 
     # SLURM signals this script: SIGUSR1 ahead of the time limit (the #SBATCH --signal line), SIGTERM at the
     # limit or on preemption (then also every process of the step, which has KillWait, 30 s by default, until
     # SIGKILL). A SIGUSR1 goes on to the step as SIGTERM, which torchrun passes on to its workers (and gives them
-    # 30 s to exit) instead of dying of it. The workers save at the next step and exit; the job is requeued.
+    # SHUTDOWN_TIMEOUT to exit) instead of dying of it. The workers save at the next step and exit; the job is
+    # requeued.
     local stop= status=0 child
     trap 'stop=SIGUSR1; scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1
     trap 'stop=SIGTERM' TERM

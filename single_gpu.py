@@ -309,7 +309,8 @@ def start_profiler(args, rank):
     if not args.profile:
         return contextlib.nullcontext()
     trace = os.path.join(args.log_dir, f"trace_rank{rank}.json")
-    return torch.profiler.profile(schedule=torch.profiler.schedule(wait=5, warmup=1, active=3),
+    schedule = torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=1)  # else every 9 steps
+    return torch.profiler.profile(schedule=schedule,
                                   on_trace_ready=lambda prof: prof.export_chrome_trace(trace))
 
 
@@ -399,14 +400,15 @@ def wait_for_checkpoint(saving, args):
             shutil.rmtree(old, ignore_errors=True)
 
 def complete_checkpoints(ckpt_dir):
-    """The checkpoints in ckpt_dir with their .metadata, by step (step-1000000 after step-999999):
-    a crash mid-save leaves a directory without it, and the one before as the newest."""
+    """The checkpoints step-N in ckpt_dir (not a copy such as step-N.bak) with their .metadata, by
+    step: a crash mid-save leaves a directory without it, and the one before as the newest."""
     with contextlib.suppress(OSError):  # main() asks before any step: a bad path fails there
         os.makedirs(ckpt_dir, exist_ok=True)
     if not (os.path.isdir(ckpt_dir) and os.access(ckpt_dir, os.W_OK | os.X_OK)):
         fail(f"cannot write in --ckpt-dir {ckpt_dir}")
     done = glob.glob(os.path.join(glob.escape(ckpt_dir), "step-*", ".metadata"))
-    return sorted(map(os.path.dirname, done), key=lambda path: (len(path), path))
+    done = [os.path.dirname(path) for path in done if path.split(os.sep)[-2][5:].isdecimal()]
+    return sorted(done, key=lambda path: (len(path), path))  # step-1000000 after step-999999
 
 def load_checkpoint(path, model, optimizer, others, config):
     """Load the training state saved at `path` into the model, optimizer and `others`, in place, and

@@ -112,10 +112,11 @@ def test_compiled_ddp_trains_like_eager(trained, tmp_path):
 
 @pytest.mark.parametrize("script", ["single_gpu.py", "fsdp.py"])
 def test_profile_writes_a_trace_per_process(script, tmp_path):
-    """--profile traces steps 7 to 9 (the profiler's 6 to 8) into a Chrome trace per process, with the training's
+    """--profile traces steps 7 to 9 (the profiler's 6 to 8), once (torch's schedule repeats without repeat=1: a run
+    of 20 steps would end on steps 16 to 18), into a Chrome trace per process, with the training's
     operators: the matmuls, AdamW's step, and in fsdp.py FSDP's gathers and reduce-scatters of each block. Every
     script holds the same start_profiler() and profiler.step(): one process, and the script whose trace shows most."""
-    result = run(script, *TINY, "--max-steps", 10, "--profile", "--log-dir", tmp_path)
+    result = run(script, *TINY, "--max-steps", 20, "--profile", "--log-dir", tmp_path)
     assert result.returncode == 0, result.output
     world_size = 2 if script in DISTRIBUTED else 1
     assert sorted(path.name for path in tmp_path.glob("trace_rank*.json")) == [f"trace_rank{rank}.json"

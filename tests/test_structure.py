@@ -95,13 +95,13 @@ def test_lines_fit_in_100_columns(script):
 
 # issue 43's target for single_gpu.py is 450 lines: 494 after it (the closing note of issue 43 says what the rest
 # would cost), 495 since training reseeds by rank for dropout, 499 since a bad --ckpt-dir fails before the first
-# step, held here so that it does not grow; every other script at most 600 (pipeline.py 611: that check, its
-# refusal of micro-batches its schedule cannot run, and the buffers a model without init_tensor() keeps outside its
-# state dict).
+# step, 501 since --profile traces once and a copy such as step-100.bak is not taken for a checkpoint, held here so
+# that it does not grow; every other script at most 600 (pipeline.py 613: those, its refusal of micro-batches its
+# schedule cannot run, and the buffers a model without init_tensor() keeps outside its state dict).
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_is_short_enough_to_read_whole(script):
     lines = len(source(script).splitlines())
-    assert lines <= {"single_gpu.py": 499, "pipeline.py": 611}.get(script, 600), f"{script}: {lines} lines"
+    assert lines <= {"single_gpu.py": 501, "pipeline.py": 613}.get(script, 600), f"{script}: {lines} lines"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

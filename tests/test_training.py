@@ -233,9 +233,11 @@ def test_keep_checkpoints_keeps_the_newest_complete_ones_and_a_crash_mid_save_is
     assert checkpoints(ckpt_dir) == [ckpt_dir / f"step-{step:06d}" for step in (8, 12, 16)]
     assert_identical(load(ckpt_dir), load(trained["single_gpu.py"].ckpt_dir))
     # Past step 999999 the names grow a digit: ordered as text, step-1000000 would be the oldest, deleted as saved.
-    for step in (999999, 1000000):
-        (tmp_path / "late" / f"step-{step:06d}").mkdir(parents=True)
-        (tmp_path / "late" / f"step-{step:06d}" / ".metadata").touch()
+    # A user's copy in the directory (step-999999.bak) is no checkpoint: taken for the newest, it would have every
+    # real one pruned, and be resumed from ever after.
+    for name in ("step-999999", "step-1000000", "step-999999.bak"):
+        (tmp_path / "late" / name).mkdir(parents=True)
+        (tmp_path / "late" / name / ".metadata").touch()
     late = import_script("single_gpu.py").complete_checkpoints(str(tmp_path / "late"))
     assert [Path(path).name for path in late] == ["step-999999", "step-1000000"]
 
