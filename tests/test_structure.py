@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, SCRIPTS
+from conftest import DISTRIBUTED, ROOT, SCRIPTS
 
 pytestmark = pytest.mark.smoke  # seconds: every test here is in the smoke tier
 
@@ -18,8 +18,8 @@ SIBLING_IMPORT = re.compile(rf"^\s*(from|import)\s+({'|'.join(script[:-3] for sc
 # gradients kept as DDP's bucket views and no graph cuts in a world of one, 76 with issue 45's --local-rank and srun,
 # 77 with the save group's --timeout. ddp_spawn.py's +2 name the signal that killed a process; fsdp.py's +7 give
 # the mesh's groups --timeout, +2 refuse per-block flags for a model without blocks.
-MAX_CHANGED_LINES = {"dataparallel.py": 25, "ddp_spawn.py": 104, "ddp_torchrun.py": 77, "ddp_amp.py": 96,
-                     "fsdp.py": 132, "pipeline.py": 250}
+MAX_CHANGED_LINES = {"dataparallel.py": 25, "ddp_spawn.py": 108, "ddp_torchrun.py": 81, "ddp_amp.py": 100,
+                     "fsdp.py": 136, "pipeline.py": 250}
 # Scripts derived from ddp_torchrun.py, and their exact diff against it (issue 43's targets: 40, 35 and 90).
 CHANGED_FROM_DDP_TORCHRUN = {"ddp_spawn.py": 39, "ddp_amp.py": 29, "fsdp.py": 87}
 # The strategy's own call, which `diff -u` must show within its first 80 lines: a reader meets it on the first page,
@@ -31,8 +31,8 @@ STRATEGY_CALL = {"dataparallel.py": ("single_gpu.py", "DataParallel("),
                  "pipeline.py": ("single_gpu.py", "PipelineStage(")}
 # main() in lines, from `def main` to its last line (before `if __name__`; in ddp_spawn.py, `def run`), blank lines
 # inside it included: issue 43's 70 at most, in every script (fsdp.py's 72 since the save group got --timeout and
-# training reseeds by rank for dropout).
-MAX_MAIN_LINES = {**dict.fromkeys(SCRIPTS, 70), "fsdp.py": 72}
+# training reseeds by rank for dropout), and 2 more where every rank resumes from rank 0's listing of --ckpt-dir.
+MAX_MAIN_LINES = {**dict.fromkeys(SCRIPTS, 70), **dict.fromkeys(DISTRIBUTED, 72), "fsdp.py": 74}
 
 
 def source(script):
@@ -96,12 +96,13 @@ def test_lines_fit_in_100_columns(script):
 # issue 43's target for single_gpu.py is 450 lines: 494 after it (the closing note of issue 43 says what the rest
 # would cost), 495 since training reseeds by rank for dropout, 499 since a bad --ckpt-dir fails before the first
 # step, 501 since --profile traces once and a copy such as step-100.bak is not taken for a checkpoint, held here so
-# that it does not grow; every other script at most 600 (pipeline.py 613: those, its refusal of micro-batches its
-# schedule cannot run, and the buffers a model without init_tensor() keeps outside its state dict).
+# that it does not grow; every other script at most 600 (pipeline.py 615: those, its refusal of micro-batches its
+# schedule cannot run, the buffers a model without init_tensor() keeps outside its state dict, and every rank
+# resuming from rank 0's listing of --ckpt-dir).
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_is_short_enough_to_read_whole(script):
     lines = len(source(script).splitlines())
-    assert lines <= {"single_gpu.py": 501, "pipeline.py": 613}.get(script, 600), f"{script}: {lines} lines"
+    assert lines <= {"single_gpu.py": 501, "pipeline.py": 615}.get(script, 600), f"{script}: {lines} lines"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

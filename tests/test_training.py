@@ -136,6 +136,20 @@ atexit.register(report)
 """
 
 
+# Rank 1 lists the checkpoint directory as a node whose view of a shared disk lags behind rank 0's can: without the
+# newest checkpoint. Every rank must resume from rank 0's.
+LAGGING_LISTING = """
+import glob, os
+listed = glob.glob
+
+def lagging_glob(pattern, **kwargs):
+    found = sorted(listed(pattern, **kwargs))
+    return found[:-1] if os.environ.get("RANK") == "1" and pattern.endswith(".metadata") else found
+
+glob.glob = lagging_glob
+"""
+
+
 # All seven save and resume with one checkpointing section (tests/test_structure.py): in the smoke tier, the one
 # process of single_gpu.py and the ranks of ddp_torchrun.py stand for the others.
 @pytest.mark.parametrize("script", [pytest.param(script, marks=[pytest.mark.smoke] * (script in ("single_gpu.py",
@@ -143,14 +157,15 @@ atexit.register(report)
 def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, script, tmp_path):
     """Stopped at step HALF with a checkpoint and run again, each script ends on its uninterrupted run's checkpoint
     (weights, AdamW state, scheduler, bit for bit) and logs its losses. ddp_torchrun.py resumes with loader workers,
-    spawned, which are sent the --data dataset by pickling: the same numbers. And every process ends with no gloo
-    thread left (but fsdp.py's: on torch 2.13 fully_shard keeps a reference to the group that no Python object
-    holds, so its threads live until the process ends)."""
+    spawned, which are sent the --data dataset by pickling: the same numbers, though rank 1 does not see the
+    checkpoint it resumes from (LAGGING_LISTING). And every process ends with no gloo thread left (but fsdp.py's: on
+    torch 2.13 fully_shard keeps a reference to the group that no Python object holds, so its threads live until the
+    process ends)."""
     workers = 1 if script == "ddp_torchrun.py" else 0
     ckpt_dir = resume_in(halfway[script], tmp_path / "ckpt")
     assert load(ckpt_dir)["step"] == HALF
     output = resume(script, ckpt_dir, tmp_path / "tb", STEPS, "--workers", workers,
-                    env={**injected(tmp_path, COUNT_FETCHES + GLOO_THREADS_AT_EXIT),
+                    env={**injected(tmp_path, COUNT_FETCHES + GLOO_THREADS_AT_EXIT + LAGGING_LISTING),
                          "FETCHES": str(tmp_path / "fetches")})
     assert f"resumed from {ckpt_dir}/step-{HALF:06d} at step {HALF}\n" in output, output
     assert checkpoints(ckpt_dir) == [ckpt_dir / f"step-{STEPS:06d}"]  # step 8's went: --keep-checkpoints 1
