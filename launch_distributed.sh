@@ -102,6 +102,7 @@ if failed:
     if rank == 0:
         print("check failed on " + ", ".join(f"rank {r}" for r, (_, errs) in enumerate(reports) if errs) + ":\n  "
               + "\n  ".join(failed), file=sys.stderr)
+    dist.barrier()  # rank 0 has printed before an exit of any rank ends the job
     dist.destroy_process_group()
     sys.exit(1)
 

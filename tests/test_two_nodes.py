@@ -17,9 +17,12 @@ TIMEOUT = 180
 # every node's torchrun closes the rendezvous in the store that the host node's torchrun keeps, and the host
 # may close it and exit first. A node that comes later finds the store gone: it logs TCPStore's C++ warning
 # with a stack (one per failed store call), then that it "has failed to shutdown the rendezvous", and exits 0 all
-# the same. That message, at the very end of a node's output, is the only one a test lets through.
+# the same. Its keep-alive heartbeat, every 5 s until that shutdown, can fail the same way just before. Those
+# messages, at the very end of a node's output, are the only ones a test lets through.
 SHUTDOWN_RACE = re.compile(
-    r"(^\[W\d{4} [\d:.]+ TCPStore\.cpp:\d+\] \[c10d\] \w+ failed on SocketImpl\([^\n]*\n(?:[^\n]+\n)*\n)*"  # and its stack
+    r"(^\[W\d{4} [\d:.]+ TCPStore\.cpp:\d+\] \[c10d\] \w+ failed on SocketImpl\([^\n]*\n(?:[^\n]+\n)*\n"  # and its stack
+    r"|^W\d{4} [\d:.]+ \d+ \S+/dynamic_rendezvous\.py:\d+\] The node '\S+' has failed to send a keep-alive "
+    r"heartbeat to the rendezvous '\S+' due to an error of type RendezvousConnectionError\.\n)*"
     r"(^W\d{4} [\d:.]+ \d+ \S+/dynamic_rendezvous\.py:\d+\] The node '\S+' has failed to shutdown the rendezvous "
     r"'\S+' due to an error of type RendezvousConnectionError\.\n)+\Z", re.MULTILINE)
 
