@@ -159,8 +159,8 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     (weights, AdamW state, scheduler, bit for bit) and logs its losses. ddp_torchrun.py resumes with loader workers,
     spawned, which are sent the --data dataset by pickling: the same numbers, though rank 1 does not see the
     checkpoint it resumes from (LAGGING_LISTING). And every process ends with no gloo thread left (but fsdp.py's: on
-    torch 2.13 fully_shard keeps a reference to the group that no Python object holds, so its threads live until the
-    process ends)."""
+    torch 2.13 DTensor's process-wide caches keep the DeviceMesh, which holds the group, so its threads live until the
+    process ends; see pytorch/pytorch#172504)."""
     workers = 1 if script == "ddp_torchrun.py" else 0
     ckpt_dir = resume_in(halfway[script], tmp_path / "ckpt")
     assert load(ckpt_dir)["step"] == HALF
