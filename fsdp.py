@@ -525,9 +525,9 @@ def main(args):
     log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters on {device} | global "
              f"batch {args.batch_size} = {per_process_batch_size} x {args.grad_accum} micro-batches"
              f" x {world_size} processes")
-    checkpoints = [args.ckpt_dir and complete_checkpoints(args.ckpt_dir)]  # the newest resumes
-    dist.broadcast_object_list(checkpoints)  # rank 0's: a node's view of a shared disk can lag
-    checkpoints = checkpoints[0]
+    listed = [args.ckpt_dir and complete_checkpoints(args.ckpt_dir)]  # the newest resumes
+    dist.broadcast_object_list(listed)  # rank 0's list for all: another node's view can lag
+    checkpoints = listed[0]
     step = load_checkpoint(checkpoints[-1], model, optimizer, others, config) if checkpoints else 0
     torch.manual_seed(args.seed + step * world_size + rank)  # dropout: each rank its own masks
     sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)

@@ -560,9 +560,9 @@ def main(args):
     log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters on rank 0's {device} | "
              f"global batch {args.batch_size} = {args.grad_accum} micro-batches of "
              f"{args.batch_size // args.grad_accum} | {type(schedule).__name__}")
-    checkpoints = [args.ckpt_dir and complete_checkpoints(args.ckpt_dir)]  # the newest resumes
-    dist.broadcast_object_list(checkpoints)  # rank 0's: a node's view of a shared disk can lag
-    checkpoints = checkpoints[0]
+    listed = [args.ckpt_dir and complete_checkpoints(args.ckpt_dir)]  # the newest resumes
+    dist.broadcast_object_list(listed)  # rank 0's list for all: another node's view can lag
+    checkpoints = listed[0]
     step = load_checkpoint(checkpoints[-1], model, optimizer, others, config) if checkpoints else 0
     torch.manual_seed(args.seed + step * world_size + rank)  # dropout: each rank its own masks
     sampler = RandomSampler(train_set, generator=torch.Generator())

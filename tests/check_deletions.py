@@ -56,7 +56,7 @@ DELETIONS = [
      "return dcp.async_save(state, checkpoint_id=path, process_group=group)",
      "speed only: each save allocates its host copy anew (tests/benchmark_checkpoint.py), the same files"),
     ("single_gpu.py", "other.load_state_dict(state[name])", None, f"{RESUME}[single_gpu.py]"),
-    ("ddp_torchrun.py", "dist.broadcast_object_list(checkpoints)", None, f"{RESUME}[ddp_torchrun.py]"),
+    ("ddp_torchrun.py", "dist.broadcast_object_list(listed)", None, f"{RESUME}[ddp_torchrun.py]"),
     ("single_gpu.py", 'raise ValueError(f"it holds a model', None,
      f"{BAD_INPUT}::test_checkpoint_of_another_model_size_is_refused_and_kept"),
     ("single_gpu.py", "wait_for_checkpoint(saving, args)\n                log.info", None,

@@ -16,8 +16,9 @@ SIBLING_IMPORT = re.compile(rf"^\s*(from|import)\s+({'|'.join(script[:-3] for sc
 # 43's targets where they are met, today's counts where no target was set (ddp_spawn.py, ddp_amp.py and fsdp.py are
 # held exactly against ddp_torchrun.py below). ddp_torchrun.py's target is 60: 69 after issue 43, 73 with issue 44's
 # gradients kept as DDP's bucket views and no graph cuts in a world of one, 76 with issue 45's --local-rank and srun,
-# 77 with the save group's --timeout. ddp_spawn.py's +2 name the signal that killed a process; fsdp.py's +7 give
-# the mesh's groups --timeout, +2 refuse per-block flags for a model without blocks.
+# 77 with the save group's --timeout, 81 with every rank resuming from rank 0's listing of --ckpt-dir (+4 in each
+# distributed script). ddp_spawn.py's +2 name the signal that killed a process; fsdp.py's +7 give the mesh's groups
+# --timeout, +2 refuse per-block flags for a model without blocks.
 MAX_CHANGED_LINES = {"dataparallel.py": 25, "ddp_spawn.py": 108, "ddp_torchrun.py": 81, "ddp_amp.py": 100,
                      "fsdp.py": 136, "pipeline.py": 250}
 # Scripts derived from ddp_torchrun.py, and their exact diff against it (issue 43's targets: 40, 35 and 90).
