@@ -276,17 +276,13 @@ class SkippingSampler(Sampler):
     def __len__(self):
         return len(self.sampler) - self.start
 
-def stop_votes(received):
-    """After each step, the stop signal any rank had received by the step before (the largest,
-    or 0): every rank stops at one step, and no step waits for the others' answer."""
-    answer, asked = torch.tensor(0), None
-    while True:
-        signum = torch.tensor(received[0] if received else 0)
-        asking = dist.all_reduce(signum, dist.ReduceOp.MAX, async_op=True)  # on the CPU, gloo
-        if asked:
-            asked.wait()
-        yield answer.item()
-        answer, asked = signum, asking
+def stop_vote(received):
+    """The stop signal any rank has received (the largest), or 0: every rank gets the same answer,
+    and so stops at the same step. On the CPU (gloo), while the GPU still runs the step's work;
+    main() asks at logging steps alone, as a round through every rank costs more as they grow."""
+    signum = torch.tensor(received[0] if received else 0)
+    dist.all_reduce(signum, dist.ReduceOp.MAX)
+    return signum.item()
 
 def catch_stop_signals():
     """From here on, a stop signal is noted in the list returned: the loop saves, then stops."""
@@ -310,8 +306,8 @@ class Meter:
     line in tokens/s, FLOP/s per process and MFU, against the GPU's peak in `precision`."""
 
     def __init__(self, args, info, step, sample, world_size, device, precision):
-        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        peak = next((peak for name, peak in PEAK_FLOPS.items() if name in gpu), None)
+        gpu = torch.cuda.get_device_name(device).replace("-", " ") if device.type == "cuda" else ""
+        peak = next((peak for name, peak in PEAK_FLOPS.items() if f" {name} " in f" {gpu} "), None)
         self.peak = peak and peak / (2 if precision == "fp32" else 1)  # fp32's matmuls: TF32
         self.tokens = sample[1].numel()  # a sample's predictions: for the GPT, its tokens
         self.batch_size, self.flops = args.batch_size, count_flops(args, info, sample) / world_size
@@ -410,7 +406,12 @@ def evaluate(model, loader, device):
 warnings.filterwarnings("ignore", "torch.distributed is disabled")
 # AdamW's state and settings under each parameter's name: whichever process holds it, one format.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-STAGER = DefaultStager(StagingOptions(False, False, False, False))  # async_save's own, but kept
+# Saves copy the state into host memory kept for the next (async_save would make it anew each
+# time); from a GPU, into pinned memory, which the copy fills at the link's full speed.
+@functools.cache
+def host_copy(cuda):
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
 
 def save_checkpoint(model, optimizer, others, step, config, args, saving, group=None):
     """Once `saving`, the save before, is done, copy the training state (the model, the optimizer,
@@ -425,7 +426,9 @@ def save_checkpoint(model, optimizer, others, step, config, args, saving, group=
              **{name: other.state_dict() for name, other in others.items()}}
     path = os.path.join(args.ckpt_dir, f"step-{step:06d}")
     log.info(f"step {step:>5} | saving {path}")
-    return dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=STAGER)
+    writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)  # on the host: no CUDA stream
+    return dcp.async_save(state, storage_writer=writer, process_group=group,
+                          async_stager=host_copy(torch.cuda.is_initialized()))
 
 def wait_for_checkpoint(saving, args):
     """Wait for `saving` (or None) to be written, then keep the newest --keep-checkpoints."""
@@ -506,7 +509,7 @@ def main(args):
     meter = Meter(args, info, step, train_set[0], world_size, device, "fp32")
     profiler, received = start_profiler(args, rank), catch_stop_signals()
     saving = micro_batches = None
-    stops, timeout = stop_votes(received), datetime.timedelta(seconds=args.timeout)
+    timeout = datetime.timedelta(seconds=args.timeout)
     save_group = dist.new_group(backend="gloo", timeout=timeout)  # saves: own group, own --timeout
     with SummaryWriter(args.log_dir) if rank == 0 else contextlib.nullcontext() as writer, profiler:
         while True:
@@ -524,7 +527,8 @@ def main(args):
             step += 1
             if args.profile:
                 profiler.step()
-            stop = next(stops) if step < args.max_steps else 0
+            voting = step % args.log_every == 0 and step < args.max_steps  # at logging steps alone
+            stop = stop_vote(received) if voting else 0
             if step % args.log_every == 0 or step == args.max_steps:
                 dist.all_reduce(loss)  # the sum of every rank's
                 scalars = meter.log(step, loss.item() / world_size, scheduler.get_last_lr()[0])

@@ -247,7 +247,7 @@ def prepare_model(model, args, device):
         fail(f"--replicate {r} does not divide {n} processes evenly")
     # The mesh's groups wait --timeout, not init_device_mesh's default: 10 min on NCCL, 30 on gloo.
     if r == 1:
-        mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+        mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("shard",))
     else:  # row i: replica i's N/R shards; column j: shard j's R replicas
         timeout, grid = datetime.timedelta(seconds=args.timeout), torch.arange(n).view(r, n // r)
         shards, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)
@@ -278,9 +278,12 @@ def init_weights(model, seed):
             value = torch.empty(tensor.shape, dtype=tensor.dtype)
             generator = torch.Generator().manual_seed(zlib.crc32(f"{seed} {name}".encode()))
             model.init_tensor(name, value, generator)
-            if isinstance(tensor, DTensor):  # a shard: this rank keeps its part, and sends nothing
-                value = distribute_tensor(value.to(tensor.device), tensor.device_mesh,
-                                          tensor.placements, src_data_rank=None)
+            if isinstance(tensor, DTensor):  # a shard: cut on the host, so no GPU holds the whole
+                mesh = tensor.device_mesh  # its twin on the CPU, of the same groups: no collective
+                on_host = DeviceMesh.from_group(mesh.get_all_groups(), "cpu", mesh.mesh,
+                                                mesh_dim_names=mesh.mesh_dim_names)
+                value = distribute_tensor(value, on_host, tensor.placements, src_data_rank=None)
+                tensor, value = tensor.to_local(), value.to_local()
             tensor.copy_(value)
 
 def count_flops(args, info, sample):
@@ -304,17 +307,13 @@ class SkippingSampler(Sampler):
     def __len__(self):
         return len(self.sampler) - self.start
 
-def stop_votes(received):
-    """After each step, the stop signal any rank had received by the step before (the largest,
-    or 0): every rank stops at one step, and no step waits for the others' answer."""
-    answer, asked = torch.tensor(0), None
-    while True:
-        signum = torch.tensor(received[0] if received else 0)
-        asking = dist.all_reduce(signum, dist.ReduceOp.MAX, async_op=True)  # on the CPU, gloo
-        if asked:
-            asked.wait()
-        yield answer.item()
-        answer, asked = signum, asking
+def stop_vote(received):
+    """The stop signal any rank has received (the largest), or 0: every rank gets the same answer,
+    and so stops at the same step. On the CPU (gloo), while the GPU still runs the step's work;
+    main() asks at logging steps alone, as a round through every rank costs more as they grow."""
+    signum = torch.tensor(received[0] if received else 0)
+    dist.all_reduce(signum, dist.ReduceOp.MAX)
+    return signum.item()
 
 def catch_stop_signals():
     """From here on, a stop signal is noted in the list returned: the loop saves, then stops."""
@@ -338,8 +337,8 @@ class Meter:
     line in tokens/s, FLOP/s per process and MFU, against the GPU's peak in `precision`."""
 
     def __init__(self, args, info, step, sample, world_size, device, precision):
-        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        peak = next((peak for name, peak in PEAK_FLOPS.items() if name in gpu), None)
+        gpu = torch.cuda.get_device_name(device).replace("-", " ") if device.type == "cuda" else ""
+        peak = next((peak for name, peak in PEAK_FLOPS.items() if f" {name} " in f" {gpu} "), None)
         self.peak = peak and peak / (2 if precision == "fp32" else 1)  # fp32's matmuls: TF32
         self.tokens = sample[1].numel()  # a sample's predictions: for the GPT, its tokens
         self.batch_size, self.flops = args.batch_size, count_flops(args, info, sample) / world_size
@@ -398,6 +397,8 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches, args, device)
     total_loss = torch.zeros((), device=device)
     for micro_step in range(args.grad_accum):
         inputs, targets = (t.to(device, non_blocking=True) for t in next(micro_batches))
+        # --replicate: the replicas all-reduce their gradients' shards in the last micro-step alone.
+        model.set_requires_all_reduce(micro_step == args.grad_accum - 1)
         loss = loss_fn(model(inputs), targets) / args.grad_accum
         scaler.scale(loss).backward()  # reduce-scatters: each rank keeps its gradients' shard
         total_loss += loss.detach()
@@ -440,7 +441,12 @@ def evaluate(model, loader, device):
 warnings.filterwarnings("ignore", "torch.distributed is disabled")
 # AdamW's state and settings under each parameter's name: whichever process holds it, one format.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-STAGER = DefaultStager(StagingOptions(False, False, False, False))  # async_save's own, but kept
+# Saves copy the state into host memory kept for the next (async_save would make it anew each
+# time); from a GPU, into pinned memory, which the copy fills at the link's full speed.
+@functools.cache
+def host_copy(cuda):
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
 
 def save_checkpoint(model, optimizer, others, step, config, args, saving, group=None):
     """Once `saving`, the save before, is done, copy the training state (the model, the optimizer,
@@ -455,7 +461,9 @@ def save_checkpoint(model, optimizer, others, step, config, args, saving, group=
              **{name: other.state_dict() for name, other in others.items()}}
     path = os.path.join(args.ckpt_dir, f"step-{step:06d}")
     log.info(f"step {step:>5} | saving {path}")
-    return dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=STAGER)
+    writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)  # on the host: no CUDA stream
+    return dcp.async_save(state, storage_writer=writer, process_group=group,
+                          async_stager=host_copy(torch.cuda.is_initialized()))
 
 def wait_for_checkpoint(saving, args):
     """Wait for `saving` (or None) to be written, then keep the newest --keep-checkpoints."""
@@ -540,7 +548,7 @@ def main(args):
     meter = Meter(args, info, step, train_set[0], world_size, device, args.precision)
     profiler, received = start_profiler(args, rank), catch_stop_signals()
     saving = micro_batches = None
-    stops, timeout = stop_votes(received), datetime.timedelta(seconds=args.timeout)
+    timeout = datetime.timedelta(seconds=args.timeout)
     save_group = dist.new_group(backend="gloo", timeout=timeout)  # saves: own group, own --timeout
     with SummaryWriter(args.log_dir) if rank == 0 else contextlib.nullcontext() as writer, profiler:
         while True:
@@ -559,7 +567,8 @@ def main(args):
             step += 1
             if args.profile:
                 profiler.step()
-            stop = next(stops) if step < args.max_steps else 0
+            voting = step % args.log_every == 0 and step < args.max_steps  # at logging steps alone
+            stop = stop_vote(received) if voting else 0
             if step % args.log_every == 0 or step == args.max_steps:
                 dist.all_reduce(loss)  # the sum of every rank's
                 scalars = meter.log(step, loss.item() / world_size, scheduler.get_last_lr()[0])

@@ -280,8 +280,8 @@ class Meter:
     line in tokens/s, FLOP/s per process and MFU, against the GPU's peak in `precision`."""
 
     def __init__(self, args, info, step, sample, world_size, device, precision):
-        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        peak = next((peak for name, peak in PEAK_FLOPS.items() if name in gpu), None)
+        gpu = torch.cuda.get_device_name(device).replace("-", " ") if device.type == "cuda" else ""
+        peak = next((peak for name, peak in PEAK_FLOPS.items() if f" {name} " in f" {gpu} "), None)
         self.peak = peak and peak / (2 if precision == "fp32" else 1)  # fp32's matmuls: TF32
         self.tokens = sample[1].numel()  # a sample's predictions: for the GPT, its tokens
         self.batch_size, self.flops = args.batch_size, count_flops(args, info, sample) / world_size
@@ -375,7 +375,12 @@ def evaluate(model, loader, device):
 warnings.filterwarnings("ignore", "torch.distributed is disabled")
 # AdamW's state and settings under each parameter's name: whichever process holds it, one format.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-STAGER = DefaultStager(StagingOptions(False, False, False, False))  # async_save's own, but kept
+# Saves copy the state into host memory kept for the next (async_save would make it anew each
+# time); from a GPU, into pinned memory, which the copy fills at the link's full speed.
+@functools.cache
+def host_copy(cuda):
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
 
 def save_checkpoint(model, optimizer, others, step, config, args, saving, group=None):
     """Once `saving`, the save before, is done, copy the training state (the model, the optimizer,
@@ -390,7 +395,9 @@ def save_checkpoint(model, optimizer, others, step, config, args, saving, group=
              **{name: other.state_dict() for name, other in others.items()}}
     path = os.path.join(args.ckpt_dir, f"step-{step:06d}")
     log.info(f"step {step:>5} | saving {path}")
-    return dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=STAGER)
+    writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)  # on the host: no CUDA stream
+    return dcp.async_save(state, storage_writer=writer, process_group=group,
+                          async_stager=host_copy(torch.cuda.is_initialized()))
 
 def wait_for_checkpoint(saving, args):
     """Wait for `saving` (or None) to be written, then keep the newest --keep-checkpoints."""

@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import ROOT, command, injected, scalars
 
@@ -72,7 +74,8 @@ def measure(config, nproc, flags, warmup_logs, directory):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=CONFIGS, help="what to compare (default: %(default)s)")
-    parser.add_argument("--nproc", type=int, default=2, help="processes of the DDP scripts (one per GPU)")
+    parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2,
+                        help="processes of the distributed scripts (default: one per GPU, else 2)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each config; the table shows the median")
     parser.add_argument("--compile", action="store_true", help="also run each config with --compile")
     parser.add_argument("--max-steps", type=int, default=100)

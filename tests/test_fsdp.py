@@ -12,17 +12,31 @@ from conftest import (HALF, PARAM_ATOL, STEPS, TINY, WARNING, injected, load, ma
 
 # Run in every rank by the optimizer's own step hook: the bytes this rank holds once the gradients and AdamW's
 # state exist, counted from the tensors themselves (a DTensor's local shard), and, for the bounds, the bytes and
-# rows of every whole parameter, and the sums of the local shards (which rows: the same in a replica of them); and
-# how long each group of the mesh waits for a stuck rank (private names: a test's, not the script's).
+# rows of every whole parameter, and the sums of the local shards (which rows: the same in a replica of them); how
+# long each group of the mesh waits for a stuck rank (private names: a test's, not the script's); and how many
+# all-reduces each step ran in a group of 2 of the 4 processes, across replicas (the vote, the logged loss and
+# evaluation's sums reduce over all of them).
 MEASURE_SHARDS = """
 import json, os, torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+all_reduce, across_replicas, per_step = dist.all_reduce, [0], []
+
+def counting_all_reduce(tensor, *args, **kwargs):
+    group = kwargs.get("group", args[1] if len(args) > 1 else None)
+    across_replicas[0] += group is not None and dist.get_world_size() == 4 and group.size() == 2
+    return all_reduce(tensor, *args, **kwargs)
+
+dist.all_reduce = counting_all_reduce
 
 def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 def measure(optimizer, args, kwargs):
+    per_step.append(across_replicas[0])
+    across_replicas[0] = 0
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     held = {"weights": sum(local(p).nbytes for p in params), "gradients": sum(local(p.grad).nbytes for p in params),
@@ -30,7 +44,7 @@ def measure(optimizer, args, kwargs):
             "rows": sum(p.nbytes // p.shape[0] for p in params), "params": len(params),
             "sums": [local(p).double().sum().item() for p in params],
             "timeouts": [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-                         for g in params[0].device_mesh.get_all_groups()]}
+                         for g in params[0].device_mesh.get_all_groups()], "all_reduces": per_step}
     with open(os.path.join(os.environ["MEASURE_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(held, f)
 
@@ -192,9 +206,12 @@ def hybrid_halfway(tmp_path_factory):
 def test_hybrid_sharding_trains_like_one_process(halfway, hybrid_halfway):
     """2 replicas of 2 shards: each process holds half the training state, as 2 processes of full sharding do,
     the two replicas hold the same rows (rank 2 rank 0's), and the weights are single_gpu.py's. Both groups of the
-    mesh wait --timeout (240 s) for a stuck rank, not torch's default for a new group (30 min)."""
+    mesh wait --timeout (240 s) for a stuck rank, not torch's default for a new group (30 min). Of TINY's 2
+    micro-batches a step, the last alone all-reduces across replicas: once a step for each of the 3 units that FSDP
+    reduces (the 2 blocks and the root), where each micro-batch would cross nodes twice as often."""
     ckpt_dir, held = hybrid_halfway
     assert [rank["timeouts"] for rank in held] == [[240, 240]] * 4
+    assert [rank["all_reduces"] for rank in held] == [[3] * HALF] * 4
     check_shards(held, 2)
     assert held[0:2] == held[2:4], held
     difference = max_param_diff(load(ckpt_dir)["model"], load(halfway["single_gpu.py"].ckpt_dir)["model"])

@@ -58,6 +58,15 @@ def test_check_passes_and_one_node_trains_like_torchrun(trained, tmp_path):
     assert_same_state(tmp_path / "ckpt", trained["ddp_torchrun.py"])  # the job conftest's torchrun ran
 
 
+def test_check_of_one_process_measures_no_bandwidth():
+    """One process sends nothing over a link: the check says so, where the bus bandwidth's formula would print 0."""
+    result = launch("--check", env={"NPROC_PER_NODE": "1"})
+    assert result.returncode == 0, result.output
+    assert "check passed: world size 1 (1 node x 1 process), backend gloo" in result.output, result.output
+    assert re.search(r"^all_reduce of 32 MiB: [\d.]+ ms, one process: no link to measure$", result.output,
+                     re.MULTILINE), result.output
+
+
 def test_killed_worker_restarts_from_the_newest_checkpoint_and_ends_bit_for_bit(trained, tmp_path):
     """A worker killed after a checkpoint: torchrun ends the other and restarts both (MAX_RESTARTS, default 3), they
     resume from that checkpoint, whole, and the job ends on the uninterrupted run's state. This is also the test that

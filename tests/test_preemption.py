@@ -16,7 +16,7 @@ from conftest import (ROOT, STEPS, TINY, Run, adam_state, checkpoints, command, 
                       run, tagged_processes)
 
 STOPPED = 75  # the scripts' status after a stop (EX_TEMPFAIL): saved, to be run again
-HOLD_STEP = 6  # mid-epoch (10 steps an epoch), before the first checkpoint at step 8
+HOLD_STEP = 5  # mid-epoch (10 steps an epoch), before the first checkpoint at step 8, and not a logging step
 
 # Injected (hold()): process HOLD_RANK holds its optimizer step HOLD_STEP until a stop signal has reached it, so that
 # the signal lands in that step whatever the timing, once (a run started again, by a requeue, holds nothing); with
@@ -185,8 +185,10 @@ def assert_ends_like(trained, ckpt_dir):
 # One way each that a signal arrives: to a single process; to ddp_spawn.py's parent, which forwards it; to torchrun,
 # which forwards it to each worker's process group, so with --workers 1 to its data loader's process too (spawned: it
 # does not inherit the training process's handler), which leaves it to the training process; and to one worker of a
-# torchrun job alone (SIGUSR1, as SLURM's --signal sends). The
-# held process is the last rank; the others run into the next step's collective and wait there.
+# torchrun job alone (SIGUSR1, as SLURM's --signal sends). The held process is the last rank; the others run into the
+# next step's collective and wait there. The distributed scripts vote at logging steps: every LOG_EVERY here, so that
+# the stop's step tells a vote at logging steps from one at every step.
+LOG_EVERY = 4
 @pytest.mark.parametrize("script, target, signum", [
     ("single_gpu.py", "the process", signal.SIGTERM), ("ddp_spawn.py", "the parent", signal.SIGTERM),
     ("ddp_torchrun.py", "torchrun", signal.SIGTERM), ("fsdp.py", "rank 1 alone", signal.SIGUSR1)],
@@ -195,7 +197,7 @@ def test_stop_signal_saves_at_the_documented_step_and_the_rerun_ends_bit_for_bit
                                                                                 tmp_path):
     distributed = script != "single_gpu.py"
     loader = ["--workers", 1] if target == "torchrun" else []
-    with Job(script, flags(tmp_path, "--ckpt-dir", tmp_path / "ckpt", *loader),
+    with Job(script, flags(tmp_path, "--ckpt-dir", tmp_path / "ckpt", "--log-every", LOG_EVERY, *loader),
              hold(tmp_path, HOLD_STEP, int(distributed), (FORKSERVER + LOADER_WORKER) * bool(loader)), tmp_path) as job:
         job.wait_for(f"holding step {HOLD_STEP}")
         if target == "rank 1 alone":
@@ -204,8 +206,8 @@ def test_stop_signal_saves_at_the_documented_step_and_the_rerun_ends_bit_for_bit
             pid = job.proc.pid  # the one started: the script, ddp_spawn.py's parent, or torchrun
         os.kill(pid, signum)
         result = job.finish()
-    # One process stops after the step under way; distributed ranks agree on the step after the signal's.
-    step = HOLD_STEP + distributed
+    # One process stops after the step under way; distributed ranks at the vote of the next logging step.
+    step = -(-HOLD_STEP // LOG_EVERY) * LOG_EVERY if distributed else HOLD_STEP
     print(f"\n{script}: {signum.name} to {target} in step {HOLD_STEP}: exit {result.returncode}")
     # Not anchored: the ranks share a pipe, and another's print can write its newline after this line began.
     stops = re.findall(r"step +\d+ \| stopped by [^\n]*", result.output)

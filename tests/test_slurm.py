@@ -152,9 +152,9 @@ PartitionName=emulated Nodes=ALL Default=YES State=UP
 def test_sbatch_trains_on_two_nodes_and_a_stop_before_the_time_limit_requeues_to_the_same_end(slurm, trained,
                                                                                                  tmp_path):
     """`sbatch launch_distributed.sh ddp_torchrun.py` on two nodes, one process each (the world of 2 that conftest's
-    torchrun run trains), told to stop in step 6 as the launcher's #SBATCH --signal=B:USR1@120 tells it before the
+    torchrun run trains), told to stop in step 5 as the launcher's #SBATCH --signal=B:USR1@120 tells it before the
     time limit (here by scancel): the workers save at one step and stop, the job requeues itself, and its second
-    start resumes and ends on the uninterrupted run's weights, bit for bit. Both ranks hold step 6 until the stop
+    start resumes and ends on the uninterrupted run's weights, bit for bit. Both ranks hold step 5 until the stop
     reaches one of them: SLURM signals each node's step on its own, and one rank's signal must stop both."""
     # MASTER_PORT: the launcher's default, 20000 + job id % 10000, is the same for every fresh cluster, so two runs
     # of this test at once would meet in one rendezvous. OMP_NUM_THREADS and PATH: what conftest.run_command gives
@@ -207,7 +207,7 @@ def test_sbatch_trains_on_two_nodes_and_a_stop_before_the_time_limit_requeues_to
     assert sorted(affinity) == ["0", "1"], log
     assert all(len(cpus.split(",")) == CPUS for cpus in affinity.values()), affinity
 
-    step = HOLD_STEP + 1  # the distributed scripts' stop: one step after the signal
+    step = HOLD_STEP + 1  # the distributed scripts' stop: the vote of the next logging step (TINY: every 2)
     assert f"step {step:>5} | stopped by SIGTERM: run again to resume" in log, report()
     assert f"launch_distributed.sh: stopped by SIGUSR1: job {job_id} goes back in the queue" in log, report()
     assert f"resumed from {tmp_path / 'ckpt' / f'step-{step:06d}'} at step {step}" in log, report()

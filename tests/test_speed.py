@@ -53,11 +53,13 @@ def test_flops_per_process_follow_from_tokens_per_second(trained, script):
     assert "MFU" not in result.run.output
 
 
-# Dense 16-bit peaks from NVIDIA's datasheets: a name matches the most specific entry of the table. TF32's is half.
+# Dense 16-bit peaks from NVIDIA's datasheets: a name matches the most specific entry of the table, word for word (a
+# GH200 is no H200, a GB200 no B200: the table leaves them out). TF32's is half.
 PEAKS = [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
-         ("NVIDIA H200", 989e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
-         ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA B200", 2250e12), ("NVIDIA H800", None),
-         ("NVIDIA GeForce RTX 4090", None), ("NVIDIA L4", None), ("Tesla V100-SXM2-32GB", None)]
+         ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+         ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA B200", 2250e12), ("NVIDIA GH200 480GB", None),
+         ("NVIDIA GB200", None), ("NVIDIA H800", None), ("NVIDIA GeForce RTX 4090", None), ("NVIDIA L4", None),
+         ("Tesla V100-SXM2-32GB", None)]
 
 
 @pytest.mark.parametrize("name, peak", PEAKS)

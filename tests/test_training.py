@@ -1,6 +1,7 @@
 """Every script trains, agrees with single_gpu.py, validates exactly, and resumes exactly, from its own checkpoints and
 from any other script's on any number of processes."""
 
+import argparse
 import re
 import subprocess
 import sys
@@ -85,9 +86,10 @@ def test_validation_is_exact_across_ranks(trained, script):
     split (of TINY's 9 sequences the whole batch of 8: 4 on each rank, and in pipeline.py all 8 through the stages)."""
     reference, other = trained["single_gpu.py"], trained[script]
     expected, got = scalars(reference.log_dir), scalars(other.log_dir)
-    # Only the grouping of the fp32 per-batch sums differs (accumulated in fp64).
+    # Only the grouping of the fp32 per-batch sums differs (accumulated in fp64), and the logits' rounding in a batch
+    # of another size: two logits within 1e-7 of each other may trade the argmax, one prediction in 128 (on some CPU).
     assert got["val/loss"][0] == pytest.approx(expected["val/loss"][0], rel=1e-6)
-    assert got["val/accuracy"][0] == expected["val/accuracy"][0]
+    assert abs(got["val/accuracy"][0] - expected["val/accuracy"][0]) <= 1 / 128
 
 
 # Every sample the training loader fetches, one line each in the file $FETCHES, from every process (loader workers
@@ -255,6 +257,28 @@ def test_keep_checkpoints_keeps_the_newest_complete_ones_and_a_crash_mid_save_is
         (tmp_path / "late" / name / ".metadata").touch()
     late = import_script("single_gpu.py").complete_checkpoints(str(tmp_path / "late"))
     assert [Path(path).name for path in late] == ["step-999999", "step-1000000"]
+
+
+def test_the_checkpoint_writer_makes_no_cuda_call_where_there_is_cuda(tmp_path, monkeypatch):
+    """Where CUDA is, DCP's writer thread picks by default a loader that copies tensors to the host on a CUDA stream
+    of its own (its _OverlappingCpuLoader: a context on GPU 0 for every rank of a node, and a wait that
+    torch.cuda.set_sync_debug_mode refuses), though the state it writes is a host copy already. Here CUDA is made
+    to seem there once the copy is made, and that loader fails: a save must not choose it (in the checkpointing
+    section, the same in every script)."""
+    from torch.distributed.checkpoint import filesystem
+
+    def cuda_loader(*args, **kwargs):
+        raise AssertionError("the writer thread chose the loader that copies from the GPU")
+
+    script = import_script("single_gpu.py")
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    args = argparse.Namespace(ckpt_dir=str(tmp_path), keep_checkpoints=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(filesystem, "_OverlappingCpuLoader", cuda_loader)
+    script.wait_for_checkpoint(script.save_checkpoint(model, optimizer, {}, 1, {}, args, None), args)
+    assert checkpoints(tmp_path) == [tmp_path / "step-000001"]
+    assert torch.equal(load(tmp_path)["model"]["weight"], model.weight.detach())
 
 
 def test_grad_clip_zero_turns_clipping_off(halfway, tmp_path):

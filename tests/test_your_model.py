@@ -57,7 +57,10 @@ def loss_fn(logits, labels, reduction="mean"):
 '''
 
 # A convolutional network with an init_tensor(): fsdp.py and pipeline.py build it on the meta device and give each
-# process's tensors their values by name, the values single_gpu.py gives the whole.
+# process's tensors their values by name, the values single_gpu.py gives the whole. Smooth (GELU, and a log-sum-exp for
+# a max over positions): with ReLU and max pooling, a rounding difference of 1e-7 flips a decision now and then (which
+# value is the largest), and training grows what the gradient then takes another way (seen: fsdp.py from 3e-7 at
+# step 30 to 0.019 at step 60 on one CPU, 5e-7 on another).
 CONVNET = '''
 
 def add_model_args(parser):
@@ -69,10 +72,9 @@ class ConvNet(nn.Module):
         # The repeated layers in a ModuleDict named blocks, as in the GPT: fsdp.py shards each block
         # alone, and pipeline.py gives each stage some of them.
         self.blocks = nn.ModuleDict({
-            "0": nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU()),
-            "1": nn.Sequential(nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), nn.ReLU()),
+            "0": nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.GELU()),
+            "1": nn.Sequential(nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), nn.GELU()),
         })
-        self.pool = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten())
         self.head = nn.Linear(2 * width, num_classes)
 
     def init_tensor(self, name, value, generator):
@@ -93,7 +95,7 @@ class ConvNet(nn.Module):
         return images
 
     def output(self, x):
-        return self.head(self.pool(x))
+        return self.head(x.flatten(2).logsumexp(-1))  # a smooth maximum over the positions
 
 def build_model(args, info):
     config = {"num_classes": info["num_classes"], "width": args.width}
@@ -159,7 +161,8 @@ ADAPTATION = FOUND.group(1) if FOUND else ""
 # The convnet with dropout before its head.
 DROPOUT = CONVNET.replace("        self.head = nn.Linear(2 * width, num_classes)\n",
                           "        self.head = nn.Linear(2 * width, num_classes)\n        self.drop = nn.Dropout(0.5)\n"
-                          ).replace("return self.head(self.pool(x))", "return self.head(self.drop(self.pool(x)))")
+                          ).replace("return self.head(x.flatten", "return self.head(self.drop(x.flatten"
+                          ).replace("logsumexp(-1))", "logsumexp(-1)))")
 MODELS = {"convnet": CONVNET, "resnet": RESNET.replace("WRAPPED", "ResNetInPieces(ResNet(**config))") + ADAPTATION,
           "resnet without pieces": RESNET.replace("WRAPPED", "ResNet(**config)"), "convnet with dropout": DROPOUT}
 
@@ -170,7 +173,13 @@ STEPS, FIRST = 60, 20
 FLAGS = ["--batch-size", 32, "--grad-accum", 2, "--lr", 2e-2, "--warmup-steps", 4, "--log-every", 10,
          "--eval-every", FIRST, "--ckpt-every", FIRST, "--lr-decay-steps", STEPS, "--seed", 3]
 CHANCE = 0.25  # 4 classes
-MARGIN = 0.35  # held-out accuracy must reach 0.60. Seen at step 60: the convnet 0.84 to 0.85, the ResNet 0.75 to 0.80
+MARGIN = 0.35  # held-out accuracy must reach 0.60. Seen at step 60: the convnet 0.86, the ResNet 0.75 to 0.80
+# The fp32 scripts end on single_gpu.py's convnet within CONVNET_ATOL: no decision flips in a smooth network, and what
+# rounding starts, AdamW's first step grows where it divides a gradient near zero by its own size (g / (|g| + 1e-8),
+# at lr 5e-3): 9e-6 after that step, 7.1e-6 at step 60, with torch's AVX-512 kernels as with its unvectorised ones
+# (ATEN_CPU_CAPABILITY=default: 6.6e-6). A script that trained on other samples, or started from other values, would
+# be whole learning rates (2e-2) away.
+CONVNET_ATOL = 10 * PARAM_ATOL
 
 
 def with_model(script, directory, model):
@@ -254,7 +263,7 @@ def test_a_classifier_trains_and_matches_single_gpu(script, runs):
     difference = max_param_diff(ckpt["model"], runs["single_gpu.py", "convnet"]["final"]["model"])
     print(f"{script}: largest difference from single_gpu.py's weights {difference:.2g}")
     if script in FP32:  # ddp_amp.py's 16-bit forward rounds differently: its accuracy above is the test
-        assert difference <= PARAM_ATOL
+        assert difference <= CONVNET_ATOL
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -262,9 +271,11 @@ def test_a_resnet_with_batch_norm_trains_after_the_readmes_adaptation(script, ru
     """BatchNorm normalises with the statistics of each forward pass's own samples: 16 in single_gpu.py (2
     micro-batches of the global 32), 8 in each process of the DDP and FSDP scripts (2 processes x 2), so their
     weights move away from single_gpu.py's while training works as well. dataparallel.py on a CPU is single_gpu.py,
-    and pipeline.py's stages normalise single_gpu.py's micro-batches. The weights are compared at step 20: past it,
-    BatchNorm, ReLU and max pooling can grow fp32's rounding (pipeline.py's gradients are summed, then divided by the
-    micro-batches) into a real difference (seen on one CPU at step 40: 2.7e-3; at step 20: 5.1e-7)."""
+    and pipeline.py's stages normalise single_gpu.py's micro-batches. The weights are compared at step 20, with a bound
+    that holds what a flipped decision can do: with ReLU and max pooling, fp32's rounding (pipeline.py's gradients are
+    summed, then divided by the micro-batches) can flip one, and training grows the difference it makes (seen in a
+    network as small: 3e-7 to 5e-3 in 10 steps, 2e-2 in 30); BatchNorm over other samples moves the weights 1.8 to 3,
+    which no flip comes near."""
     done = runs[script, "resnet"]
     (first, first_tb), (last, tb), ckpt_dir = done["first"], done["last"], done["ckpt_dir"]
     if script == "pipeline.py":  # split between residual blocks, the stem on the first stage, the head on the last
@@ -284,7 +295,8 @@ def test_a_resnet_with_batch_norm_trains_after_the_readmes_adaptation(script, ru
     assert "embed.1.num_batches_tracked" in tracked and set(tracked.values()) == {2 * STEPS}, tracked
 
     # Relative to a tensor's largest value where it exceeds 1: BatchNorm's running variances grow to tens, where
-    # fp32's values are some 4e-6 apart. Seen: pipeline.py 5.1e-7; the DDP and FSDP scripts 1.8 to 3.
+    # fp32's values are some 4e-6 apart. Seen: pipeline.py 5.1e-7 (and 0 for dataparallel.py, which on a CPU computes
+    # as single_gpu.py does); the DDP and FSDP scripts 1.8 to 3.
     weights, reference = done["first state"]["model"], runs["single_gpu.py", "resnet"]["first state"]["model"]
     assert weights.keys() == reference.keys()
     difference = max(((weights[name] - reference[name]).abs().max() / reference[name].abs().max().clamp(min=1)).item()
@@ -292,9 +304,9 @@ def test_a_resnet_with_batch_norm_trains_after_the_readmes_adaptation(script, ru
     print(f"{script}, ResNet: largest difference from single_gpu.py's weights and buffers at step {FIRST}: "
           f"{difference:.2g}")
     if script in ("ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py"):
-        assert difference > 100 * PARAM_ATOL
+        assert difference > 0.5
     else:
-        assert difference <= PARAM_ATOL
+        assert difference <= 0.05
 
 
 def test_pipeline_refuses_a_model_without_the_pieces(tmp_path):
