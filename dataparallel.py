@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, Subset, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.tensorboard import SummaryWriter
@@ -54,30 +55,33 @@ def number(kind, positive=True):
     parse.__name__ = kind.__name__  # argparse's "invalid int value"
     return parse
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help: the docstring as it is written, then every flag with its default."""
+
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    flag = parser.add_argument
-    flag("--batch-size", type=number(int), default=32, help="global batch: samples per step")
-    flag("--grad-accum", type=number(int), default=1, help="micro-batches per step")
-    flag("--max-steps", type=number(int), default=300, help="optimizer steps to train")
-    flag("--lr", type=number(float), default=3e-3, help="peak learning rate")
-    flag("--warmup-steps", type=number(int, False), default=30, help="of linear warmup")
-    flag("--lr-decay-steps", type=number(int), help="where cosine decay ends (--max-steps)")
-    flag("--weight-decay", type=number(float, False), default=0.1)
-    flag("--grad-clip", type=number(float, False), default=1.0, help="max gradient norm; 0: off")
-    flag("--log-every", type=number(int), default=10, help="steps between logs")
-    flag("--eval-every", type=number(int), default=100, help="steps between evaluations")
-    flag("--eval-batches", type=number(int), default=20, help="batches per evaluation")
-    flag("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]))
-    flag("--ckpt-dir", help="save checkpoints here, and resume from the newest")
-    flag("--ckpt-every", type=number(int), default=100, help="steps between checkpoints")
-    flag("--keep-checkpoints", type=number(int), default=1, help="how many of the newest to keep")
-    flag("--workers", type=number(int, False), default=0, help="spawned loader processes")
-    flag("--device", choices=["cpu", "cuda"], help="default: cuda if there is one")
-    flag("--seed", type=int, default=0)
-    flag("--compile", action="store_true", help="torch.compile the model")
-    flag("--profile", action="store_true", help="trace steps 7 to 9 into --log-dir")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    add_flag = parser.add_argument
+    add_flag("--batch-size", type=number(int), default=32, help="global batch: samples per step")
+    add_flag("--grad-accum", type=number(int), default=1, help="micro-batches per step")
+    add_flag("--max-steps", type=number(int), default=300, help="optimizer steps to train")
+    add_flag("--lr", type=number(float), default=3e-3, help="peak learning rate")
+    add_flag("--warmup-steps", type=number(int, False), default=30, help="of linear warmup to --lr")
+    add_flag("--lr-decay-steps", type=number(int), help="cosine decay's last; None: --max-steps")
+    add_flag("--weight-decay", type=number(float, False), default=0.1, help="AdamW's, of matrices")
+    add_flag("--grad-clip", type=number(float, False), default=1.0, help="max grad norm; 0: off")
+    add_flag("--log-every", type=number(int), default=10, help="steps between logs")
+    add_flag("--eval-every", type=number(int), default=100, help="steps between evaluations")
+    add_flag("--eval-batches", type=number(int), default=20, help="batches per evaluation")
+    add_flag("--log-dir", default=os.path.join("runs", os.path.basename(__file__)[:-3]),
+             help="for TensorBoard, and --profile's traces")
+    add_flag("--ckpt-dir", help="save checkpoints here, and resume from the newest; None: none")
+    add_flag("--ckpt-every", type=number(int), default=100, help="steps between checkpoints")
+    add_flag("--keep-checkpoints", type=number(int), default=1, help="checkpoints kept, the newest")
+    add_flag("--workers", type=number(int, False), default=0, help="spawned loader processes")
+    add_flag("--device", choices=["cpu", "cuda"], help="None: cuda if there is one")
+    add_flag("--seed", type=int, default=0, help="of the weights, the data's order and dropout")
+    add_flag("--compile", action="store_true", help="torch.compile the model")
+    add_flag("--profile", action="store_true", help="trace steps 7 to 9 into --log-dir")
     add_data_args(parser.add_argument_group("data"))
     add_model_args(parser.add_argument_group("model"))
     args = parser.parse_args()
@@ -88,7 +92,7 @@ def parse_args():
 # -- data ---------------------------------------------------------------------
 
 def add_data_args(parser):
-    parser.add_argument("--data", help="a text file to model byte by byte (default: built-in data)")
+    parser.add_argument("--data", help="a text file to model byte by byte; None: built-in data")
     parser.add_argument("--seq-len", type=number(int), default=64, help="tokens per sequence")
 
 def markov_sequences(seq_len, num_tokens=2**18, vocab_size=64, seed=1234):
@@ -181,7 +185,9 @@ class GPT(nn.Module):
         elif name.endswith("bias"):
             value.zero_()
         else:
-            value.normal_(0.0, 0.02, generator=generator)
+            into_stream = name.endswith(("attn_out.weight", "mlp.2.weight"))
+            std = 0.02 / math.sqrt(2 * len(self.blocks)) if into_stream else 0.02  # 2 a block
+            value.normal_(0.0, std, generator=generator)
 
     # forward() is embed(), the blocks, output(): a pipeline stage runs the parts it holds.
     def forward(self, tokens):
@@ -197,12 +203,12 @@ class GPT(nn.Module):
     def output(self, x):
         return self.head(self.norm(x))
 
-def build_model(args, info):
+def build_model(args, data_info):
     """The model, and its configuration: checkpoints keep it, and a resumed run must match it."""
     if args.d_model % args.n_heads:
         fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
-    config = {"vocab_size": info["vocab_size"], "seq_len": args.seq_len, "d_model": args.d_model,
-              "n_layers": args.n_layers, "n_heads": args.n_heads}
+    config = {"vocab_size": data_info["vocab_size"], "seq_len": args.seq_len,
+              "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads}
     return GPT(**config), config
 
 def loss_fn(logits, targets, reduction="mean"):
@@ -242,15 +248,6 @@ def init_weights(model, seed):
             model.init_tensor(name, value, generator)
             tensor.copy_(value)
 
-def count_flops(args, info, sample):
-    """Training FLOPs per sample, as torch counts them on a copy of the model on the meta device."""
-    with torch.device("meta"):
-        model, _ = build_model(args, info)
-    with FlopCounterMode(display=False) as counter:
-        inputs, targets = (value.to("meta").unsqueeze(0) for value in sample)
-        loss_fn(model(inputs), targets).backward()
-    return counter.get_total_flops()
-
 class SkippingSampler(Sampler):
     """Another sampler's order from index `start`: a resumed run skips what its epoch trained on."""
 
@@ -260,50 +257,48 @@ class SkippingSampler(Sampler):
     def __iter__(self):
         return itertools.islice(iter(self.sampler), self.start, None)
 
-    def __len__(self):
-        return len(self.sampler) - self.start
 
-def catch_stop_signals():
-    """From here on, a stop signal is noted in the list returned: the loop saves, then stops."""
-    received = []
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, lambda signum, frame: received.append(signum))
-    return received
+# -- metrics and stop signals -------------------------------------------------
 
-def ignore_stop_signals(worker_id):
-    """A loader worker, spawned as this process's child (Python 3.14's forkserver would die of a
-    stop signal, ending its workers), leaves it to the training process, which saves, then stops."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+def count_flops(args, data_info, sample):
+    """Training FLOPs per sample, as torch counts them on a copy of the model on the meta device."""
+    with torch.device("meta"):
+        model, _ = build_model(args, data_info)
+    with FlopCounterMode(display=False) as counter:
+        inputs, targets = (value.to("meta").unsqueeze(0) for value in sample)
+        loss_fn(model(inputs), targets).backward()
+    return counter.get_total_flops()
 
 # Dense 16-bit peaks from NVIDIA's datasheets (half their "with sparsity" figures); TF32's is half.
 PEAK_FLOPS = {"A100": 312e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
               "H200 NVL": 835e12, "H200": 989e12, "B200": 2250e12}
 
 class Meter:
-    """The step line and its TensorBoard scalars: loss, learning rate, and the speed since the last
-    line in tokens/s, FLOP/s per process and MFU, against the GPU's peak in `precision`."""
+    """The step line and TensorBoard's scalars: loss, learning rate and, of all processes since the
+    last line or restart(), tokens/s, model FLOP/s and MFU against the GPUs' peak in `precision`."""
 
-    def __init__(self, args, info, step, sample, world_size, device, precision):
+    def __init__(self, args, data_info, step, sample, world_size, device, precision):
         gpu = torch.cuda.get_device_name(device).replace("-", " ") if device.type == "cuda" else ""
         peak = next((peak for name, peak in PEAK_FLOPS.items() if f" {name} " in f" {gpu} "), None)
-        self.peak = peak and peak / (2 if precision == "fp32" else 1)  # fp32's matmuls: TF32
+        self.peak = peak and world_size * peak / (2 if precision == "fp32" else 1)  # fp32's: TF32
         self.tokens = sample[1].numel()  # a sample's predictions: for the GPT, its tokens
-        self.batch_size, self.flops = args.batch_size, count_flops(args, info, sample) / world_size
+        self.batch_size, self.flops = args.batch_size, count_flops(args, data_info, sample)
+        self.restart(step)
+
+    def restart(self, step):  # after an evaluation or a save: the speed is training's alone
         self.step, self.time = step, time.perf_counter()
 
     def log(self, step, loss, lr):
         if not math.isfinite(loss):
             fail(f"the loss is {loss} at step {step}: training diverged; try a lower --lr")
-        now = time.perf_counter()
-        samples_per_sec = (step - self.step) * self.batch_size / (now - self.time)
+        samples_per_sec = (step - self.step) * self.batch_size / (time.perf_counter() - self.time)
         tokens_per_sec, flops = samples_per_sec * self.tokens, samples_per_sec * self.flops
-        self.step, self.time = step, now
+        self.restart(step)
         mfu = f" | {flops / self.peak:.1%} MFU" if self.peak else ""
         log.info(f"step {step:>5} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tokens/s"
                  f" | {flops / 1e12:.3g} TFLOP/s{mfu}")
         return {"train/loss": loss, "train/lr": lr, "train/tokens_per_sec": tokens_per_sec,
-                "train/tflops_per_process": flops / 1e12}
+                "train/tflops": flops / 1e12}
 
 def write_scalars(writer, scalars, step):
     for tag, value in scalars.items():
@@ -318,28 +313,43 @@ def start_profiler(args, rank):
     return torch.profiler.profile(schedule=schedule,
                                   on_trace_ready=lambda prof: prof.export_chrome_trace(trace))
 
+def catch_stop_signals():
+    """From here on, a stop signal is noted in the list returned: the loop saves, then stops."""
+    signals_received = []
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda signum, frame: signals_received.append(signum))
+    return signals_received
+
+def ignore_stop_signals(worker_id):
+    """A loader worker, spawned as this process's child (Python 3.14's forkserver would die of a
+    stop signal, ending its workers), leaves it to the training process, which saves, then stops."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
 
 # -- training step ------------------------------------------------------------
 
 def configure_optimizer(model, args):
-    """AdamW with decay on matrices only, and linear warmup then cosine decay to lr/10."""
+    """AdamW with decay on matrices only, at --lr: "initial_lr", where torch's schedules look."""
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # biases, norms
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
+    for group in groups:
+        group["initial_lr"] = args.lr
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
 
-    def lr_factor(step):
-        if step < args.warmup_steps:
-            return (step + 1) / args.warmup_steps
-        decay_steps = max(1, args.lr_decay_steps - args.warmup_steps)
-        progress = min(1.0, (step - args.warmup_steps) / decay_steps)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+def lr_factor(step, args):
+    """Step `step`'s share of --lr: linear warmup, then cosine decay to a tenth. main() makes the
+    schedule from the step and the flags, and no checkpoint holds it: a resume follows its flags."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    decay_steps = max(1, args.lr_decay_steps - args.warmup_steps)
+    progress = min(1.0, (step - args.warmup_steps) / decay_steps)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 def train_step(model, optimizer, scheduler, micro_batches, args, device):
-    """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor:
-    reading it (.item()) would wait for the GPU, so only logging steps do."""
+    """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor (to
+    read it, .item(), waits for the GPU: only logging steps do), and the step's learning rate."""
     total_loss = torch.zeros((), device=device)
     for micro_step in range(args.grad_accum):
         inputs, targets = (t.to(device, non_blocking=True) for t in next(micro_batches))
@@ -349,9 +359,10 @@ def train_step(model, optimizer, scheduler, micro_batches, args, device):
     if args.grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     optimizer.step()
+    lr = scheduler.get_last_lr()[0]  # this step's, before the schedule moves on to the next's
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return total_loss
+    return total_loss, lr
 
 def weights_are_finite(model):
     return bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
@@ -379,35 +390,33 @@ def evaluate(model, loader, device):
 # Without a process group DCP warns that it saves and loads in one process: here, it does.
 warnings.filterwarnings("ignore", "torch.distributed is disabled")
 # AdamW's state and settings under each parameter's name: whichever process holds it, one format.
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-# Saves copy the state into host memory kept for the next (async_save would make it anew each
-# time); from a GPU, into pinned memory, which the copy fills at the link's full speed.
-@functools.cache
+BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+# Host memory for the state that a save copies, kept for the next (async_save's own is made anew
+@functools.cache  # each time); from a GPU pinned, which the copy fills at the link's full speed.
 def host_copy(cuda):
     return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                         use_async_staging=False, use_non_blocking_copy=cuda))
 
-def save_checkpoint(model, optimizer, others, step, config, args, saving, group=None):
-    """Once `saving`, the save before, is done, copy the training state (the model, the optimizer,
-    and `others`, such as {"scheduler": scheduler}) into the host memory that save used and write it
-    in the background to --ckpt-dir/step-N with torch's distributed checkpoint (DCP): a file per
-    process, then .metadata. Returns the new save, a future. Weights not finite stop the run."""
+def save_checkpoint(model, optimizer, extras, step, config, args, last_save, group=None):
+    """Once `last_save` is written, copy the training state (the model, the optimizer, `extras`
+    such as {"scaler": scaler}) to host memory and write it in the background to --ckpt-dir/step-N
+    with torch's distributed checkpoint (DCP): a file per process, then .metadata. A future."""
     if not weights_are_finite(model):
         fail(f"the weights are not finite at step {step}: diverged, and not saved")
-    wait_for_checkpoint(saving, args)
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=FLAT)
+    wait_for_checkpoint(last_save, args)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=BY_NAME)
     state = {"model": model_state, "optimizer": optimizer_state, "step": step, "config": config,
-             **{name: other.state_dict() for name, other in others.items()}}
+             **{name: value.state_dict() for name, value in extras.items()}}
     path = os.path.join(args.ckpt_dir, f"step-{step:06d}")
     log.info(f"step {step:>5} | saving {path}")
     writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)  # on the host: no CUDA stream
     return dcp.async_save(state, storage_writer=writer, process_group=group,
                           async_stager=host_copy(torch.cuda.is_initialized()))
 
-def wait_for_checkpoint(saving, args):
-    """Wait for `saving` (or None) to be written, then keep the newest --keep-checkpoints."""
-    if saving is not None:
-        saving.result()
+def wait_for_checkpoint(last_save, args):
+    """Wait for `last_save` (or None) to be written, then keep the newest --keep-checkpoints."""
+    if last_save is not None:
+        last_save.result()
         for old in complete_checkpoints(args.ckpt_dir)[:-args.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -422,24 +431,30 @@ def complete_checkpoints(ckpt_dir):
     done = [os.path.dirname(path) for path in done if path.split(os.sep)[-2][5:].isdecimal()]
     return sorted(done, key=lambda path: (len(path), path))  # step-1000000 after step-999999
 
-def load_checkpoint(path, model, optimizer, others, config):
-    """Load the training state saved at `path` into the model, optimizer and `others`, in place, and
-    return its step."""
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=FLAT)
+def load_checkpoint(path, model, optimizer, extras, config):
+    """Load the training state saved at `path` into the model, the optimizer and `extras`, in
+    place, and return its step. The optimizer's settings stay this run's flags ("initial_lr" is
+    --lr, the schedule's peak): a line names each that the checkpoint's run had otherwise."""
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=BY_NAME)
+    settings = {k: v for k, v in optimizer_state.items() if k.startswith("param_groups.")}  # ours
     state = {"model": model_state, "optimizer": optimizer_state, "step": 0,
-             "config": dict.fromkeys(config), **{k: x.state_dict() for k, x in others.items()}}
+             "config": dict.fromkeys(config), **{k: v.state_dict() for k, v in extras.items()}}
     try:
-        dcp.load({"config": state["config"]}, checkpoint_id=path)  # first: others' tensors misfit
+        dcp.load({"config": state["config"]}, checkpoint_id=path)  # first: a model's tensors misfit
         if state["config"] != config:
             raise ValueError(f"it holds a model {state['config']}, this run builds {config}")
         dcp.load(state, checkpoint_id=path)
     except (Exception, dcp.CheckpointException) as error:  # noqa: BLE001  DCP's: each process's
         error = next(iter(error.failures.values()))[0] if hasattr(error, "failures") else error
         fail(f"cannot resume from {path}: {str(error).strip().splitlines()[0]}")
+    changed = {key.rpartition(".")[2]: (value, optimizer_state[key]) for key, value in
+               settings.items() if optimizer_state[key] != value and not key.endswith(".lr")}
+    for name, (mine, theirs) in changed.items():  # "lr", the rate, is the schedule's to set
+        log.info(f"{name} {mine}, from this run's flags; the checkpoint's run had {theirs}")
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"], options=FLAT)
-    for name, other in others.items():
-        other.load_state_dict(state[name])
+                   optim_state_dict={**optimizer_state, **settings}, options=BY_NAME)
+    for name, value in extras.items():
+        value.load_state_dict(state[name])
     log.info(f"resumed from {path} at step {state['step']}")
     return state["step"]
 
@@ -454,21 +469,22 @@ def main(args):
         fail(f"--batch-size {args.batch_size} does not divide into {world_size} processes x "
              f"--grad-accum {args.grad_accum}")
     per_process_batch_size = args.batch_size // (world_size * args.grad_accum)  # one forward pass
-    train_set, val_set, info = build_datasets(args)
+    train_set, val_set, data_info = build_datasets(args)
     steps_per_epoch = len(train_set) // args.batch_size  # full batches only
     if steps_per_epoch == 0 or len(val_set) < args.batch_size:
         fail(f"{len(train_set)} training and {len(val_set)} validation samples are too few")
     val_batches = min(len(val_set) // args.batch_size, args.eval_batches)  # one shape, one compile
     val_set = Subset(val_set, range(val_batches * args.batch_size))
-    model, config = build_model(args, info)
-    train_model = prepare_model(model, args, device)  # checkpoints use `model`
-    optimizer, scheduler = configure_optimizer(model, args)
-    others = {"scheduler": scheduler}  # checkpointed beside the model and the optimizer
+    model, config = build_model(args, data_info)
+    wrapped_model = prepare_model(model, args, device)  # checkpoints use `model`
+    optimizer = configure_optimizer(model, args)
+    extras = {}  # checkpointed beside the model and the optimizer: a loss scaler, say
     log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters on {device} | global "
              f"batch {args.batch_size} = {per_process_batch_size} x {args.grad_accum} micro-batches"
              f" x {world_size} processes")
     checkpoints = args.ckpt_dir and complete_checkpoints(args.ckpt_dir)  # the newest resumes
-    step = load_checkpoint(checkpoints[-1], model, optimizer, others, config) if checkpoints else 0
+    step = load_checkpoint(checkpoints[-1], model, optimizer, extras, config) if checkpoints else 0
+    scheduler = LambdaLR(optimizer, functools.partial(lr_factor, args=args), last_epoch=step - 1)
     torch.manual_seed(args.seed + step * world_size + rank)  # dropout: each rank its own masks
     sampler = RandomSampler(train_set, generator=torch.Generator())
     loader = functools.partial(DataLoader, batch_size=per_process_batch_size,
@@ -476,38 +492,39 @@ def main(args):
                                multiprocessing_context="spawn" if args.workers else None,
                                pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)
     train_loader, val_loader = loader(train_set, sampler=SkippingSampler(sampler)), loader(val_set)
-    meter = Meter(args, info, step, train_set[0], world_size, device, "fp32")
+    meter = Meter(args, data_info, step, train_set[0], world_size, device, "fp32")
     meter.peak = meter.peak and meter.peak * torch.cuda.device_count()  # one process, every GPU
-    profiler, received = start_profiler(args, rank), catch_stop_signals()
-    saving = micro_batches = None
+    profiler, signals_received = start_profiler(args, rank), catch_stop_signals()
+    last_save = micro_batches = None
     with SummaryWriter(args.log_dir) as writer, profiler:
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
-                val_loss, val_accuracy = evaluate(train_model, val_loader, device)
+                val_loss, val_accuracy = evaluate(wrapped_model, val_loader, device)
                 log.info(f"step {step:>5} | val loss {val_loss:.4f} | accuracy {val_accuracy:.4f}")
                 write_scalars(writer, {"val/loss": val_loss, "val/accuracy": val_accuracy}, step)
+                meter.restart(step)
             if step >= args.max_steps:
                 break
             if micro_batches is None or step % steps_per_epoch == 0:
                 sampler.generator.manual_seed(args.seed + step // steps_per_epoch)  # epoch's order
                 train_loader.sampler.start = step % steps_per_epoch * args.batch_size // world_size
                 micro_batches = iter(train_loader)
-            loss = train_step(train_model, optimizer, scheduler, micro_batches, args, device)
+            loss, lr = train_step(wrapped_model, optimizer, scheduler, micro_batches, args, device)
             step += 1
             if args.profile:
                 profiler.step()
-            stop = received[0] if received and step < args.max_steps else 0
+            stop = signals_received[0] if signals_received and step < args.max_steps else 0
             if step % args.log_every == 0 or step == args.max_steps:
-                scalars = meter.log(step, loss.item(), scheduler.get_last_lr()[0])
-                write_scalars(writer, scalars, step)
+                write_scalars(writer, meter.log(step, loss.item(), lr), step)
             if args.ckpt_dir and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
-                saving = save_checkpoint(model, optimizer, others, step, config, args, saving)
+                last_save = save_checkpoint(model, optimizer, extras, step, config, args, last_save)
+                meter.restart(step)
             if stop:
-                wait_for_checkpoint(saving, args)
+                wait_for_checkpoint(last_save, args)
                 log.info(f"step {step:>5} | stopped by {signal.Signals(stop).name}: "
                          + ("run again to resume" if args.ckpt_dir else "no --ckpt-dir, not saved"))
                 return 75  # EX_TEMPFAIL: not a failure, a job to run again
-    wait_for_checkpoint(saving, args)
+    wait_for_checkpoint(last_save, args)
 
 
 if __name__ == "__main__":

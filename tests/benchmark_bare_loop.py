@@ -70,7 +70,8 @@ def bare_loop(config, flags, compiled):
         model.compile()
     if script in DDP:
         model = DistributedDataParallel(model)
-    optimizer, scheduler = module.configure_optimizer(model, args)
+    optimizer = module.configure_optimizer(model, args)
+    scheduler = module.lr_schedule(optimizer, 0, args)
 
     def steps(count):
         for _ in range(count):

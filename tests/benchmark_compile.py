@@ -38,7 +38,7 @@ with tempfile.TemporaryDirectory() as tmp:
             # The first interval holds the warm-up (and the compilation): the rest is the steady state. MFU is in the
             # step lines alone, where the GPU's peak is known.
             steady = {tag: statistics.median(list(tb[tag].values())[1:])
-                      for tag in ["train/tokens_per_sec", "train/tflops_per_process"]}
+                      for tag in ["train/tokens_per_sec", "train/tflops"]}
             mfu = [float(m) / 100 for m in re.findall(r"\| ([\d.]+)% MFU$", output, re.MULTILINE)][1:]
             results.append({"seconds": seconds, **steady, **({"mfu": statistics.median(mfu)} if mfu else {})})
 
@@ -47,5 +47,5 @@ for mode, results in runs.items():
     median = {key: statistics.median(r[key] for r in results) for key in results[0]}
     mfu = f", MFU {median['mfu']:.1%}" if "mfu" in median else ""
     print(f"{mode:<10} {median['train/tokens_per_sec']:>12,.0f} tokens/s, "
-          f"{median['train/tflops_per_process']:.3g} TFLOP/s per process{mfu}; {median['seconds']:.0f} s a run "
+          f"{median['train/tflops']:.3g} TFLOP/s{mfu}; {median['seconds']:.0f} s a run "
           f"(tokens/s per run: {', '.join(format(r['train/tokens_per_sec'], ',.0f') for r in results)})")

@@ -1,5 +1,5 @@
 """Which strategy to pick: each script trains the same model on the same global batch, and this prints a table of
-tokens/s, model TFLOP/s per process, MFU (where the GPU's peak is known) and the peak memory of a process (GPU
+tokens/s, model TFLOP/s, MFU (where the GPU's peak is known) and the peak memory of a process (GPU
 memory allocated on CUDA, resident memory on a CPU), each the median of several runs with the warm-up left out.
 A benchmark that prints figures, not a test (pytest does not collect it).
 
@@ -59,7 +59,7 @@ def measure(config, nproc, flags, warmup_logs, directory):
         sys.exit(f"{config} failed:\n{result.stdout}")
     tb = scalars(log_dir)
     figures = {}
-    for tag in ["train/tokens_per_sec", "train/tflops_per_process"]:
+    for tag in ["train/tokens_per_sec", "train/tflops"]:
         steady = [value for step, value in sorted(tb[tag].items())][warmup_logs:]
         figures[tag] = statistics.median(steady)
     mfu = [float(m) / 100 for m in re.findall(r"\| ([\d.]+)% MFU$", result.stdout, re.MULTILINE)][warmup_logs:]
@@ -103,7 +103,7 @@ def main():
         mfu = median(results, "mfu")
         memory = f"{median(results, 'peak_memory') / 2**30:.2f} GiB {results[0]['memory_kind']}"
         print(f"{config:<40} {median(results, 'train/tokens_per_sec'):>10,.0f} "
-              f"{median(results, 'train/tflops_per_process'):>13.3g} "
+              f"{median(results, 'train/tflops'):>13.3g} "
               f"{format(mfu, '.0%') if mfu else '-':>6} {memory:>17}")
     print(f"{args.repeats} runs each, {args.nproc} processes for the DDP scripts; tokens/s of the global batch; "
           f"memory: 'cuda' is torch.cuda.max_memory_allocated(), 'rss' the process's peak resident memory")

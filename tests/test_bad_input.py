@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from conftest import (ROOT, STEPS, TINY, checkpoints, error_lines, fails_cleanly, import_script, injected, load,
-                      resume_in)
+from conftest import (ROOT, STEPS, TINY, TORCHRUN, checkpoints, error_lines, fails_cleanly, import_script, injected,
+                      load, resume_in, run_command)
 
 
 # The configuration section is the same code in every script but for each strategy's own flags
@@ -41,6 +41,28 @@ def test_bad_flags_are_refused_by_argparse(script, args, message, monkeypatch, c
 def test_a_bad_flag_ends_the_process_with_argparses_line():
     result = fails_cleanly("single_gpu.py", ["--lr", -1], "argument --lr: -1 is not > 0")
     assert result.returncode == 2 and "step " not in result.output, result.output
+
+
+@pytest.mark.parametrize("script", TORCHRUN)
+def test_a_torchrun_script_started_by_python_alone_says_how_to_start_it(script, monkeypatch, capsys):
+    """Without torchrun's environment (RANK and the rest), a process would wait for others that never come, or fail
+    in torch's words: setup() refuses in one line that gives the command. In this process, where setup() runs first
+    in main()."""
+    module = import_script(script)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", [script])
+    with pytest.raises(SystemExit) as stop:
+        module.parse_args()
+    assert stop.value.code == f"{script}: error: start it with torchrun: torchrun --standalone --nproc_per_node=2 " \
+                              f"{script}"
+
+
+def test_python_alone_ends_a_torchrun_script_in_one_line(tmp_path):
+    """The same as a user meets it: `python ddp_torchrun.py`, one line, no traceback, nothing trained."""
+    result = run_command([sys.executable, "ddp_torchrun.py", *TINY, "--log-dir", tmp_path])
+    assert result.returncode == 1, result.output
+    assert result.output.strip() == "ddp_torchrun.py: error: start it with torchrun: torchrun --standalone " \
+                                    "--nproc_per_node=2 ddp_torchrun.py", result.output
 
 
 def test_a_ckpt_dir_it_cannot_write_in_ends_the_run_before_the_first_step(tmp_path):

@@ -231,7 +231,7 @@ def assert_mfu_against_the_datasheet(config, output, log_dir, at_least=0.0):
     peak = PEAKS[name] / 2 if precision == "fp32" else PEAKS[name]
     if script == "dataparallel.py":
         peak *= GPUS  # one process computes on every GPU
-    tflops = scalars(log_dir)["train/tflops_per_process"]
+    tflops = scalars(log_dir)["train/tflops"]  # a world of one process here
     assert len(printed) == len(tflops), output
     for (step, value), mfu in zip(sorted(tflops.items()), printed):
         print(f"{config}, step {step}: {value:.4g} TFLOP/s, {mfu}% MFU of {name}'s {peak / 1e12:g} TFLOP/s")

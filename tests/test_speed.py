@@ -38,18 +38,17 @@ def test_torch_counts_a_forward_and_a_backward(shape):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_flops_per_process_follow_from_tokens_per_second(trained, script):
-    """FLOP/s per process = tokens/s / tokens per sample x torch's FLOPs per sample / processes. A CPU has no peak:
-    no MFU."""
+def test_flops_follow_from_tokens_per_second(trained, script):
+    """FLOP/s = tokens/s / tokens per sample x torch's FLOPs per sample, both of all processes together. A CPU has no
+    peak: no MFU."""
     result = trained[script]
     assert result.run.returncode == 0, result.run.output
     tb = scalars(result.log_dir)
-    world_size = 2 if script in DISTRIBUTED else 1
     flops_per_token = count_flops(TINY_MODEL) / TINY_MODEL["seq_len"]
-    tokens_per_sec, tflops = tb["train/tokens_per_sec"], tb["train/tflops_per_process"]
+    tokens_per_sec, tflops = tb["train/tokens_per_sec"], tb["train/tflops"]
     assert tflops.keys() == tokens_per_sec.keys() and len(tflops) == 8
     for step, value in tflops.items():
-        assert value * 1e12 == pytest.approx(tokens_per_sec[step] * flops_per_token / world_size, rel=1e-5)
+        assert value * 1e12 == pytest.approx(tokens_per_sec[step] * flops_per_token, rel=1e-5)
     assert "MFU" not in result.run.output
 
 
@@ -65,27 +64,29 @@ PEAKS = [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVID
 @pytest.mark.parametrize("name, peak", PEAKS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_mfu_only_against_a_known_gpus_peak(monkeypatch, caplog, name, peak, precision):
-    """The step line's MFU is FLOP/s over the GPU's peak for the run's precision (fp32's matmuls run in TF32), and
-    is there only for a GPU the table names: never a made-up peak. Meter alone, on a GPU's name (no GPU needed), 2 s
-    between lines."""
+    """The step line's speed is of all processes together, over the training steps alone: MFU is FLOP/s over the
+    GPUs' peak for the run's precision (fp32's matmuls run in TF32), and is there only for a GPU the table names,
+    never a made-up peak. Meter alone, on a GPU's name (no GPU needed): restarted after 50 s (an evaluation's),
+    then 2 s of training to the line."""
     script = import_script("single_gpu.py")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    monkeypatch.setattr(script, "time", types.SimpleNamespace(perf_counter=iter([100.0, 102.0, 200.0]).__next__))
-    monkeypatch.setattr(script, "count_flops", lambda args, info, sample: 2e12)  # 2 TFLOP a sample, 2 processes
+    clock = iter([100.0, 150.0, 152.0, 152.0, 200.0]).__next__
+    monkeypatch.setattr(script, "time", types.SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(script, "count_flops", lambda args, data_info, sample: 2e12)  # 2 TFLOP a sample
     args, sample = argparse.Namespace(batch_size=8), (torch.zeros(16), torch.zeros(16))  # 16 tokens a sample
-    meter = script.Meter(args, {}, 0, sample, 2, torch.device("cuda", 0), precision)  # 1 TFLOP a sample each
+    meter = script.Meter(args, {}, 0, sample, 2, torch.device("cuda", 0), precision)  # 2 processes
+    meter.restart(0)
     with caplog.at_level(logging.INFO, logger=script.log.name):
-        scalars = meter.log(2, 1.0, 1e-3)  # 2 steps of 8 samples in 2 s: 8 samples/s, 8 TFLOP/s
-    assert scalars == {"train/loss": 1.0, "train/lr": 1e-3, "train/tokens_per_sec": 128.0,
-                       "train/tflops_per_process": 8.0}
+        scalars = meter.log(2, 1.0, 1e-3)  # 2 steps of 8 samples in 2 s: 8 samples/s, 16 TFLOP/s
+    assert scalars == {"train/loss": 1.0, "train/lr": 1e-3, "train/tokens_per_sec": 128.0, "train/tflops": 16.0}
     line = caplog.messages[-1]
-    assert line.startswith("step     2 | loss 1.0000 | lr 1.00e-03 | 128 tokens/s | 8 TFLOP/s"), line
+    assert line.startswith("step     2 | loss 1.0000 | lr 1.00e-03 | 128 tokens/s | 16 TFLOP/s"), line
     if peak is None:
         assert meter.peak is None and "MFU" not in line, line
     else:
-        expected = peak / 2 if precision == "fp32" else peak
+        expected = 2 * (peak / 2 if precision == "fp32" else peak)  # two GPUs'
         assert meter.peak == expected
-        assert line.endswith(f" | {8e12 / expected:.1%} MFU"), line
+        assert line.endswith(f" | {16e12 / expected:.1%} MFU"), line
     assert script.Meter(args, {}, 0, sample, 2, torch.device("cpu"), precision).peak is None
 
 

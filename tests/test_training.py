@@ -2,6 +2,7 @@
 from any other script's on any number of processes."""
 
 import argparse
+import math
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from conftest import (DISTRIBUTED, FP32, HALF, PARAM_ATOL, ROOT, SCRIPTS, STEPS,
                       assert_identical, checkpoints, import_script, injected, load, max_param_diff, resume_in, run, scalars)
 
 LOSS_ATOL = 1e-5
-TAGS = {"train/loss", "train/lr", "train/tokens_per_sec", "train/tflops_per_process", "val/loss", "val/accuracy"}
+TAGS = {"train/loss", "train/lr", "train/tokens_per_sec", "train/tflops", "val/loss", "val/accuracy"}
 CONFIG = {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2}
 NPROC = {script: 2 if script in DISTRIBUTED else 1 for script in SCRIPTS}
 
@@ -43,7 +44,13 @@ def test_trains_logs_and_checkpoints(trained, script):
     assert sorted(tb["val/loss"]) == [0, HALF, STEPS]
     assert tb["val/loss"][0] - tb["val/loss"][STEPS] > 1.5, tb["val/loss"]  # 5.54 to 3.04
     assert tb["val/accuracy"][STEPS] > tb["val/accuracy"][0] + 0.1, tb["val/accuracy"]
-    assert all(v > 0 for name in ("train/tokens_per_sec", "train/tflops_per_process") for v in tb[name].values())
+    assert all(v > 0 for name in ("train/tokens_per_sec", "train/tflops") for v in tb[name].values())
+    # Each step line gives the rate that step trained with: TINY's schedule, written out (lr 1e-2, 2 steps of warmup,
+    # cosine decay to a tenth at STEPS), at step 2, still warming up, and at each step of the decay after it.
+    for step, lr in tb["train/lr"].items():
+        index, warmup = step - 1, 2
+        factor = (index + 1) / warmup if index < warmup else 0.55 + 0.45 * math.cos(math.pi * (index - warmup) / 14)
+        assert lr == pytest.approx(1e-2 * factor, rel=1e-6), (step, lr)
 
     # Console lines from one process only: a second rank would print every line again.
     for line in ["global batch 8 = ", "step     2 | loss ", "step    16 | saving ", "step    16 | val loss "]:
@@ -55,9 +62,8 @@ def test_trains_logs_and_checkpoints(trained, script):
     files = sorted(path.name for path in (result.ckpt_dir / f"step-{STEPS:06d}").iterdir())
     assert files == [".metadata", *[f"__{rank}_0.distcp" for rank in range(NPROC[script])]]
     state = load(result.ckpt_dir)
-    assert state.keys() == {"model", "optimizer", "step", "config", "scheduler"}, state.keys()
+    assert state.keys() == {"model", "optimizer", "step", "config"}, state.keys()  # the schedule: from the step
     assert state["step"] == STEPS and state["config"] == CONFIG
-    assert state["scheduler"]["last_epoch"] == STEPS
     names = set(state["model"])  # as the model names them: no "module." of DDP, no "_orig_mod." of compile
     assert "blocks.0.qkv.weight" in names and not any(name.startswith(("module.", "_orig_mod.")) for name in names)
     assert adam_state(state).keys() == {f"state.{name}.{key}" for name in names
@@ -158,7 +164,7 @@ glob.glob = lagging_glob
                                                  "ddp_torchrun.py"))) for script in SCRIPTS])
 def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, script, tmp_path):
     """Stopped at step HALF with a checkpoint and run again, each script ends on its uninterrupted run's checkpoint
-    (weights, AdamW state, scheduler, bit for bit) and logs its losses. ddp_torchrun.py resumes with loader workers,
+    (weights, AdamW state, bit for bit) and logs its losses, with no word on a setting that differs. ddp_torchrun.py resumes with loader workers,
     spawned, which are sent the --data dataset by pickling: the same numbers, though rank 1 does not see the
     checkpoint it resumes from (LAGGING_LISTING). And every process ends with no gloo thread left (but fsdp.py's: on
     torch 2.13 DTensor's process-wide caches keep the DeviceMesh, which holds the group, so its threads live until the
@@ -170,6 +176,7 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
                     env={**injected(tmp_path, COUNT_FETCHES + GLOO_THREADS_AT_EXIT + LAGGING_LISTING),
                          "FETCHES": str(tmp_path / "fetches")})
     assert f"resumed from {ckpt_dir}/step-{HALF:06d} at step {HALF}\n" in output, output
+    assert "from this run's flags" not in output, output
     assert checkpoints(ckpt_dir) == [ckpt_dir / f"step-{STEPS:06d}"]  # step 8's went: --keep-checkpoints 1
     # Step 8 is 8 steps into an epoch of 10: those 8 steps' samples are skipped by index, never fetched. The run
     # fetches what steps 9 to 16 train on, 8 samples a step (every stage of pipeline.py loads whole batches), and a
@@ -193,6 +200,38 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     # The losses logged after the restart are the uninterrupted run's, exactly.
     expected = scalars(trained[script].log_dir)["train/loss"]
     assert scalars(tmp_path / "tb")["train/loss"] == {step: loss for step, loss in expected.items() if step > HALF}
+
+
+def test_a_resume_trains_with_its_own_lr_and_weight_decay_and_names_them(halfway, tmp_path):
+    """fsdp.py's step 8, resumed with a lower --lr and --weight-decay (as after a divergence): the run trains with
+    both (the step line's rate is the new schedule's; the optimizer's settings, saved again at the end, are the new
+    ones), from the checkpoint's weights, moments and step, and says once which settings differ from the
+    checkpoint's run's (the sharded optimizer's state, where each rank holds its own part of every tensor)."""
+    ckpt_dir = resume_in(halfway["fsdp.py"], tmp_path / "ckpt")
+    output = resume("fsdp.py", ckpt_dir, tmp_path / "tb", STEPS, "--lr", 5e-3, "--weight-decay", 0.05)
+    said = re.findall(r"^(\w+) (.*), from this run's flags; the checkpoint's run had (.*)$", output, re.MULTILINE)
+    assert sorted(said) == [("initial_lr", "0.005", "0.01"), ("weight_decay", "0.05", "0.1")], output
+    assert f"resumed from {ckpt_dir}/step-{HALF:06d} at step {HALF}\n" in output, output
+    lr = scalars(tmp_path / "tb")["train/lr"]
+    assert lr[10] == pytest.approx(5e-3 * (0.55 + 0.45 * math.cos(math.pi * 7 / 14)), rel=1e-6), lr
+    settings = load(ckpt_dir)["optimizer"]
+    assert settings["param_groups.blocks.0.qkv.weight.weight_decay"] == 0.05
+    assert settings["param_groups.blocks.0.qkv.weight.initial_lr"] == 5e-3
+    assert settings["param_groups.blocks.0.attn_norm.weight.weight_decay"] == 0.0
+
+
+def test_init_scales_the_residual_projections_as_gpt2s(monkeypatch):
+    """GPT-2's initialisation: every matrix N(0, 0.02) but the two a block adds to the residual stream, attention's
+    output and the MLP's second, N(0, 0.02 / sqrt(2 x layers)), so the stream's variance does not grow with depth;
+    by name, so every script starts from these values (4 layers, width 256: 65,536 values a matrix, 0.3% apart)."""
+    module = import_script("single_gpu.py")
+    monkeypatch.setattr(sys, "argv", ["single_gpu.py", "--d-model", "256", "--n-layers", "4", "--n-heads", "4"])
+    model, _ = module.build_model(module.parse_args(), {"vocab_size": 64})
+    module.init_weights(model, 0)
+    for name, weight in model.named_parameters():
+        if weight.dim() == 2:
+            expected = 0.02 / math.sqrt(8) if name.endswith(("attn_out.weight", "mlp.2.weight")) else 0.02
+            assert weight.std().item() == pytest.approx(expected, rel=0.03), name
 
 
 def test_checkpoints_move_between_scripts_and_numbers_of_processes(trained, halfway, tmp_path):

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conftest import DISTRIBUTED, FP32, PARAM_ATOL, ROOT, SCRIPTS, WARNING, injected, load, max_param_diff, run, scalars
+from conftest import FP32, PARAM_ATOL, ROOT, SCRIPTS, WARNING, injected, load, max_param_diff, run, scalars
 
 # The replacement sections, written once for every script: all that main() needs from them is add_data_args,
 # build_datasets, add_model_args, build_model, loss_fn, and the model's optional init_tensor, embed, blocks, output.
@@ -246,17 +246,16 @@ def test_a_classifier_trains_and_matches_single_gpu(script, runs):
     assert tb["val/accuracy"][STEPS] >= CHANCE + MARGIN, tb["val/accuracy"]
     assert tb["val/loss"][STEPS] < tb["val/loss"][0] - 0.5, tb["val/loss"]  # a mean over the images
 
-    # tokens/s counts the targets' elements, a label per image; FLOP/s is torch's count for an image per process.
+    # tokens/s counts the targets' elements, a label per image; FLOP/s is torch's count for an image, of all processes.
     # Each weight of a convolution meets every output position, 12x12 for the first (16 x 9 weights), 6x6 for the
     # second (stride 2, 32 x 16 x 9), and the head's 4 x 32 weights once. A use is 2 FLOPs forward and 2 for the
     # weight's gradient, and 2 more for the input's gradient, which the first convolution does not compute (the
     # images need none).
     flops = 2 * 144 * 144 * 2 + 2 * 36 * 4608 * 3 + 2 * 128 * 3
-    world_size = 2 if script in DISTRIBUTED else 1
-    images_per_sec, tflops = tb["train/tokens_per_sec"], tb["train/tflops_per_process"]
+    images_per_sec, tflops = tb["train/tokens_per_sec"], tb["train/tflops"]
     assert sorted(tflops) == sorted(images_per_sec) == list(range(10, STEPS + 1, 10))
     for step, value in tflops.items():
-        assert value * 1e12 == pytest.approx(images_per_sec[step] * flops / world_size, rel=1e-5)
+        assert value * 1e12 == pytest.approx(images_per_sec[step] * flops, rel=1e-5)
 
     assert ckpt["config"] == {"num_classes": 4, "width": 16}
     assert ckpt["step"] == STEPS
