@@ -186,6 +186,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(d_model, n_heads) for i in range(n_layers)})
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.residual_std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2's: a stream added to 2n times
 
     def init_tensor(self, name, value, generator):
         """Fill `value` with tensor `name`'s initial values, as GPT-2's: N(0, 0.02), biases 0."""
@@ -194,9 +195,8 @@ class GPT(nn.Module):
         elif name.endswith("bias"):
             value.zero_()
         else:
-            into_stream = name.endswith(("attn_out.weight", "mlp.2.weight"))
-            std = 0.02 / math.sqrt(2 * len(self.blocks)) if into_stream else 0.02  # 2 a block
-            value.normal_(0.0, std, generator=generator)
+            into_stream = name.endswith(("attn_out.weight", "mlp.2.weight"))  # 2 a block
+            value.normal_(0.0, self.residual_std if into_stream else 0.02, generator=generator)
 
     # forward() is embed(), the blocks, output(): a pipeline stage runs the parts it holds.
     def forward(self, tokens):

@@ -123,6 +123,7 @@ def test_fsdp_refuses_what_it_does_per_block_for_a_model_without_blocks(flag, mo
     """fsdp.py compiles and recomputes each block: a model without them would get neither, silently."""
     module = import_script("fsdp.py")
     monkeypatch.setattr(sys, "argv", ["fsdp.py", *TINY, flag])
+    monkeypatch.setenv("RANK", "0")  # as torchrun starts it
     with pytest.raises(SystemExit) as stop:
         module.prepare_model(module.nn.Linear(2, 2), module.parse_args(), module.torch.device("cpu"))
     assert stop.value.code == ("fsdp.py: error: --compile and --activation-checkpointing work on the model's blocks: "
