@@ -2,8 +2,6 @@
 
     python ddp_spawn.py                           # a process per GPU, or 2 on a CPU (--nproc N)
     tensorboard --logdir runs                     # loss, accuracy, learning rate, throughput
-
---d-model, --n-layers, --n-heads and --seq-len scale the model; --help lists every flag.
 """
 
 import argparse
@@ -32,7 +30,6 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.tensorboard import SummaryWriter
@@ -92,7 +89,6 @@ def parse_args():
     add_data_args(parser.add_argument_group("data"))
     add_model_args(parser.add_argument_group("model"))
     args = parser.parse_args()
-    args.lr_decay_steps = args.lr_decay_steps or args.max_steps
     return args
 
 
@@ -103,8 +99,7 @@ def add_data_args(parser):
     parser.add_argument("--seq-len", type=number(int), default=64, help="tokens per sequence")
 
 def markov_sequences(seq_len, num_tokens=2**18, vocab_size=64, seed=1234):
-    """Sequences from a fixed random Markov chain: learnable, and its entropy rate is the lowest
-    loss any model can reach, so the log shows how close training gets."""
+    """Sequences of a fixed random Markov chain, whose entropy rate is the lowest loss there is."""
     gen = torch.Generator().manual_seed(seed)
     transitions = torch.randn(vocab_size, vocab_size, generator=gen, dtype=torch.float64)
     transitions = torch.softmax(3 * transitions, 1)
@@ -118,8 +113,7 @@ def markov_sequences(seq_len, num_tokens=2**18, vocab_size=64, seed=1234):
     return TensorDataset(tokens[:, :-1], tokens[:, 1:]), vocab_size  # (input, target) pairs
 
 class TextFile(Dataset):
-    """A file's bytes as (input, target) sequences, read from the file per sample: the page cache
-    holds one copy for every process, and a loader worker, however started, opens it itself."""
+    """A file's bytes as (input, target) sequences, read per sample: one page-cache copy for all."""
 
     def __init__(self, path, seq_len):
         self.path, self.seq_len = path, seq_len
@@ -131,7 +125,7 @@ class TextFile(Dataset):
         return self.num_seqs
 
     def __getitem__(self, i):
-        with open(self.path, "rb") as file:
+        with open(self.path, "rb") as file:  # each time: a loader worker, however started, opens it
             file.seek(i * self.seq_len)
             tokens = torch.frombuffer(bytearray(file.read(self.seq_len + 1)), dtype=torch.uint8)
         return tokens[:-1].long(), tokens[1:].long()
@@ -196,8 +190,7 @@ class GPT(nn.Module):
             into_stream = name.endswith(("attn_out.weight", "mlp.2.weight"))  # 2 a block
             value.normal_(0.0, self.residual_std if into_stream else 0.02, generator=generator)
 
-    # forward() is embed(), the blocks, output(): a pipeline stage runs the parts it holds.
-    def forward(self, tokens):
+    def forward(self, tokens):  # embed(), the blocks, output(): a pipeline stage runs its parts
         x = self.embed(tokens)
         for block in self.blocks.values():
             x = block(x)
@@ -226,7 +219,7 @@ def loss_fn(logits, targets, reduction="mean"):
 # -- setup --------------------------------------------------------------------
 
 def setup(args):
-    """Pick this process's device."""
+    """This process's device, its rank (number) and the world size (how many processes train)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_float32_matmul_precision("high")  # fp32 matmuls on TF32 tensor cores (Ampere on)
     torch.manual_seed(args.seed)  # a model without init_tensor(); main() reseeds by rank
@@ -236,11 +229,12 @@ def setup(args):
     dist.init_process_group(  # join the others: NCCL between GPUs; gloo for CPU tensors
         "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
         timeout=datetime.timedelta(seconds=args.timeout))
-    return device
+    logging.basicConfig(format="%(message)s", stream=sys.stdout,  # the console: rank 0's alone
+                        level=logging.INFO if dist.get_rank() == 0 else logging.WARNING)
+    return device, dist.get_rank(), dist.get_world_size()
 
 def prepare_model(model, args, device):
-    """Give the model its initial weights, on this device, compiled with --compile (in place: the
-    state dict keeps its names); return it as training runs it."""
+    """Initial weights, on this device, compiled in place (the state dict keeps its names)."""
     init_weights(model, args.seed)
     model.to(device)
     if args.compile:
@@ -253,8 +247,7 @@ def prepare_model(model, args, device):
 
 @torch.no_grad()
 def init_weights(model, seed):
-    """Draw every tensor's initial values with the model's init_tensor(), from a generator seeded by
-    its name: the same values however processes split the model. Without it: the constructor's."""
+    """Give each tensor init_tensor()'s values, seeded by its name: the same however it is split."""
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
         if hasattr(model, "init_tensor"):
             value = torch.empty(tensor.shape, dtype=tensor.dtype)
@@ -288,8 +281,7 @@ PEAK_FLOPS = {"A100": 312e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 9
               "H200 NVL": 835e12, "H200": 989e12, "B200": 2250e12}
 
 class Meter:
-    """The step line and TensorBoard's scalars: loss, learning rate and, of all processes since the
-    last line or restart(), tokens/s, model FLOP/s and MFU against the GPUs' peak in `precision`."""
+    """The step line and its scalars: loss, lr and, since the last, all processes' speed and MFU."""
 
     def __init__(self, args, data_info, step, sample, world_size, device, precision):
         gpu = torch.cuda.get_device_name(device).replace("-", " ") if device.type == "cuda" else ""
@@ -345,36 +337,32 @@ def catch_stop_signals():
     return signals_received
 
 def ignore_stop_signals(worker_id):
-    """A loader worker, spawned as this process's child (Python 3.14's forkserver would die of a
-    stop signal, ending its workers), leaves it to the training process, which saves, then stops."""
+    """A spawned loader worker ignores stop signals (3.14's forkserver would die of them)."""
     for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+        signal.signal(signum, signal.SIG_IGN)  # the training process saves, then stops
 
 
 # -- training step ------------------------------------------------------------
 
 def configure_optimizer(model, args):
-    """AdamW with decay on matrices only, at --lr: "initial_lr", where torch's schedules look."""
+    """AdamW with decay on matrices only; each group's "initial_lr" is --lr, the schedule's peak."""
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # biases, norms
-    for group in groups:
-        group["initial_lr"] = args.lr
+    matrices, vectors = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": args.weight_decay, "initial_lr": args.lr},
+              {"params": vectors, "weight_decay": 0.0, "initial_lr": args.lr}]  # biases, norms
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
 
 def lr_factor(step, args):
-    """Step `step`'s share of --lr: linear warmup, then cosine decay to a tenth. main() makes the
-    schedule from the step and the flags, and no checkpoint holds it: a resume follows its flags."""
+    """Step `step`'s share of --lr: linear warmup, then cosine decay to a tenth."""
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
-    decay_steps = max(1, args.lr_decay_steps - args.warmup_steps)
+    decay_steps = max(1, (args.lr_decay_steps or args.max_steps) - args.warmup_steps)
     progress = min(1.0, (step - args.warmup_steps) / decay_steps)
     return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
-def train_step(model, optimizer, scheduler, micro_batches, args, device):
-    """One optimizer step over --grad-accum micro-batches. Returns the mean loss as a tensor (to
-    read it, .item(), waits for the GPU: only logging steps do), and the step's learning rate."""
-    total_loss = torch.zeros((), device=device)
+def train_step(model, optimizer, step, micro_batches, args, device):
+    """Optimizer step `step` over --grad-accum micro-batches: the mean loss (a tensor), the lr."""
+    total_loss = torch.zeros((), device=device)  # .item() waits for the GPU: logging steps alone
     for micro_step in range(args.grad_accum):
         inputs, targets = (t.to(device, non_blocking=True) for t in next(micro_batches))
         # All-reduce the gradients in the last micro-step only; no_sync wraps the forward too.
@@ -384,11 +372,11 @@ def train_step(model, optimizer, scheduler, micro_batches, args, device):
         total_loss += loss.detach()
     if args.grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    for group in optimizer.param_groups:  # from the step and the flags: a resume follows its own
+        group["lr"] = group["initial_lr"] * lr_factor(step, args)
     optimizer.step()
-    lr = scheduler.get_last_lr()[0]  # this step's, before the schedule moves on to the next's
-    scheduler.step()
     optimizer.zero_grad(set_to_none=False)  # the gradients stay views of DDP's buckets: no copy
-    return total_loss, lr
+    return total_loss, optimizer.param_groups[0]["lr"]
 
 def weights_are_finite(model):
     return bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
@@ -414,20 +402,15 @@ def evaluate(model, loader, device):
 
 # -- checkpointing ------------------------------------------------------------
 
-# Without a process group DCP warns that it saves and loads in one process: here, it does.
-warnings.filterwarnings("ignore", "torch.distributed is disabled")
-# AdamW's state and settings under each parameter's name: whichever process holds it, one format.
-BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
-# Host memory for the state that a save copies, kept for the next (async_save's own is made anew
-@functools.cache  # each time); from a GPU pinned, which the copy fills at the link's full speed.
-def host_copy(cuda):
+warnings.filterwarnings("ignore", "torch.distributed is disabled")  # DCP in one process: as meant
+BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)  # AdamW's state by name: any split
+@functools.cache  # a save's host copy, kept for the next (async_save's own is made anew each time)
+def host_copy(cuda):  # from a GPU pinned, which the copy fills at the link's full speed
     return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                         use_async_staging=False, use_non_blocking_copy=cuda))
 
 def save_checkpoint(model, optimizer, extras, step, config, args, last_save, group=None):
-    """Once `last_save` is written, copy the training state (the model, the optimizer, `extras`
-    such as {"scaler": scaler}) to host memory and write it in the background to --ckpt-dir/step-N
-    with torch's distributed checkpoint (DCP): a file per process, then .metadata. A future."""
+    """Once `last_save` is written, copy the state to host memory; return a future writing it."""
     if not weights_are_finite(model):
         fail(f"the weights are not finite at step {step}: diverged, and not saved")
     wait_for_checkpoint(last_save, args)
@@ -448,8 +431,7 @@ def wait_for_checkpoint(last_save, args):
             shutil.rmtree(old, ignore_errors=True)
 
 def complete_checkpoints(ckpt_dir):
-    """The checkpoints step-N in ckpt_dir (not a copy such as step-N.bak) with their .metadata, by
-    step: a crash mid-save leaves a directory without it, and the one before as the newest."""
+    """ckpt_dir's step-N (not step-N.bak) with .metadata, by step: a crash mid-save leaves none."""
     with contextlib.suppress(OSError):  # main() asks before any step: a bad path fails there
         os.makedirs(ckpt_dir, exist_ok=True)
     if not (os.path.isdir(ckpt_dir) and os.access(ckpt_dir, os.W_OK | os.X_OK)):
@@ -459,9 +441,7 @@ def complete_checkpoints(ckpt_dir):
     return sorted(done, key=lambda path: (len(path), path))  # step-1000000 after step-999999
 
 def load_checkpoint(path, model, optimizer, extras, config):
-    """Load the training state saved at `path` into the model, the optimizer and `extras`, in
-    place, and return its step. The optimizer's settings stay this run's flags ("initial_lr" is
-    --lr, the schedule's peak): a line names each that the checkpoint's run had otherwise."""
+    """Load the state at `path` in place, keeping this run's optimizer settings; return its step."""
     model_state, optimizer_state = get_state_dict(model, optimizer, options=BY_NAME)
     settings = {k: v for k, v in optimizer_state.items() if k.startswith("param_groups.")}  # ours
     state = {"model": model_state, "optimizer": optimizer_state, "step": 0,
@@ -489,10 +469,7 @@ def load_checkpoint(path, model, optimizer, extras, config):
 # -- main ---------------------------------------------------------------------
 
 def main(args):
-    device = setup(args)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    logging.basicConfig(format="%(message)s", level=logging.INFO if rank == 0 else logging.WARNING,
-                        stream=sys.stdout)  # the console and TensorBoard: rank 0's alone
+    device, rank, world_size = setup(args)
     if args.batch_size % (world_size * args.grad_accum):
         fail(f"--batch-size {args.batch_size} does not divide into {world_size} processes x "
              f"--grad-accum {args.grad_accum}")
@@ -514,7 +491,6 @@ def main(args):
     dist.broadcast_object_list(from_rank_0)  # rank 0's list for all: another node's view can lag
     checkpoints = from_rank_0[0]
     step = load_checkpoint(checkpoints[-1], model, optimizer, extras, config) if checkpoints else 0
-    scheduler = LambdaLR(optimizer, functools.partial(lr_factor, args=args), last_epoch=step - 1)
     torch.manual_seed(args.seed + step * world_size + rank)  # dropout: each rank its own masks
     sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
     val_set = Subset(val_set, range(rank, len(val_set), world_size))  # exact: no padding
@@ -541,7 +517,7 @@ def main(args):
                 sampler.set_epoch(step // steps_per_epoch)  # epoch's order, the same on every rank
                 train_loader.sampler.start = step % steps_per_epoch * args.batch_size // world_size
                 micro_batches = iter(train_loader)
-            loss, lr = train_step(wrapped_model, optimizer, scheduler, micro_batches, args, device)
+            loss, lr = train_step(wrapped_model, optimizer, step, micro_batches, args, device)
             step += 1
             if args.profile:
                 profiler.step()

@@ -71,7 +71,6 @@ def bare_loop(config, flags, compiled):
     if script in DDP:
         model = DistributedDataParallel(model)
     optimizer = module.configure_optimizer(model, args)
-    scheduler = module.lr_schedule(optimizer, 0, args)
 
     def steps(count):
         for _ in range(count):
@@ -81,8 +80,9 @@ def bare_loop(config, flags, compiled):
                 loss.backward()
             if args.grad_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * module.lr_factor(0, args)
             optimizer.step()
-            scheduler.step()
             optimizer.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -55,7 +55,7 @@ MOVED = ["single_gpu.py", "fsdp.py", "pipeline.py --schedule gpipe"]
 # that a training step fetches (from step CHECK_FROM on), torch raises at any operation that waits for the GPU (an
 # .item(), a copy to pageable host memory, a synchronize), until the end of the optimizer step of a step that logs (a
 # multiple of LOG_EVERY, and so each evaluation and checkpoint too). So a step that does not log is checked whole:
-# its micro-batches, the clipping, the optimizer and scheduler. Evaluation fetches its batches without autograd: it
+# its micro-batches, the clipping, the learning rate and the optimizer. Evaluation fetches its batches without autograd: it
 # does not turn the check on. The debug mode misses a wait on a CUDA event (DDP's timing of its first 10 steps waits
 # on some, and every 100th step): the profiler records steps PROFILED to PROFILED + 2 (each run's own count, past
 # DDP's first 10) and each rank prints the host waits it saw there (cudaEventSynchronize, cudaStreamSynchronize),
@@ -240,7 +240,7 @@ def assert_mfu_against_the_datasheet(config, output, log_dir, at_least=0.0):
 
 
 def pickled_devices(path):
-    """The devices of the tensors among a DCP checkpoint's pickled values (the step, the config, the schedule's state:
+    """The devices of the tensors among a DCP checkpoint's pickled values (the step, the config, a loss scale:
     every value that is not a tensor of the state), loaded as torch.load gives them back here: a CUDA tensor pickled
     among them comes back on the GPU. DCP writes the tensors of the state themselves as host copies."""
     from torch.distributed.checkpoint import FileSystemReader
