@@ -324,9 +324,8 @@ def start_profiler(args, rank):
                                   on_trace_ready=lambda prof: prof.export_chrome_trace(trace))
 
 def stop_vote(signals_received):
-    """The stop signal any rank has received (the largest), or 0: every rank gets the same answer,
-    and so stops at the same step. On the CPU (gloo), while the GPU still runs the step's work;
-    main() asks at logging steps alone, as a round through every rank costs more as they grow."""
+    """The stop signal any rank has received (the largest), or 0: every rank stops at one step. On
+    the CPU (gloo), at logging steps alone: a round through every rank costs more as they grow."""
     signum = torch.tensor(signals_received[0] if signals_received else 0)
     dist.all_reduce(signum, dist.ReduceOp.MAX)
     return signum.item()

@@ -248,8 +248,7 @@ def prepare_model(model, args, device):
     n, r = dist.get_world_size(), args.replicate  # --replicate R: R replicas of N/R shards
     if n % r:
         fail(f"--replicate {r} does not divide {n} processes evenly")
-    # The mesh's groups wait --timeout, not init_device_mesh's default: 10 min on NCCL, 30 on gloo.
-    if r == 1:
+    if r == 1:  # the mesh's groups wait --timeout, not init_device_mesh's 10 min (NCCL), 30 (gloo)
         mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("shard",))
     else:  # row i: replica i's N/R shards; column j: shard j's R replicas
         timeout, grid = datetime.timedelta(seconds=args.timeout), torch.arange(n).view(r, n // r)
@@ -355,9 +354,8 @@ def start_profiler(args, rank):
                                   on_trace_ready=lambda prof: prof.export_chrome_trace(trace))
 
 def stop_vote(signals_received):
-    """The stop signal any rank has received (the largest), or 0: every rank gets the same answer,
-    and so stops at the same step. On the CPU (gloo), while the GPU still runs the step's work;
-    main() asks at logging steps alone, as a round through every rank costs more as they grow."""
+    """The stop signal any rank has received (the largest), or 0: every rank stops at one step. On
+    the CPU (gloo), at logging steps alone: a round through every rank costs more as they grow."""
     signum = torch.tensor(signals_received[0] if signals_received else 0)
     dist.all_reduce(signum, dist.ReduceOp.MAX)
     return signum.item()
@@ -398,8 +396,7 @@ def train_step(model, optimizer, step, scaler, micro_batches, args, device):
     total_loss = torch.zeros((), device=device)  # .item() waits for the GPU: logging steps alone
     for micro_step in range(args.grad_accum):
         inputs, targets = (t.to(device, non_blocking=True) for t in next(micro_batches))
-        # --replicate: the replicas all-reduce their gradients' shards in the last micro-step alone.
-        model.set_requires_all_reduce(micro_step == args.grad_accum - 1)
+        model.set_requires_all_reduce(micro_step == args.grad_accum - 1)  # replicas: once a step
         loss = loss_fn(model(inputs), targets) / args.grad_accum
         scaler.scale(loss).backward()  # reduce-scatters: each rank keeps its gradients' shard
         total_loss += loss.detach()

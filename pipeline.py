@@ -63,7 +63,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_flag = parser.add_argument
     add_flag("--batch-size", type=number(int), default=32, help="global batch: samples per step")
-    add_flag("--grad-accum", type=number(int), default=8, help="micro-batches per step")
+    add_flag("--grad-accum", type=number(int), default=1, help="micro-batches per step")
     add_flag("--max-steps", type=number(int), default=300, help="optimizer steps to train")
     add_flag("--lr", type=number(float), default=3e-3, help="peak learning rate")
     add_flag("--warmup-steps", type=number(int, False), default=30, help="of linear warmup to --lr")
@@ -83,6 +83,7 @@ def parse_args():
     add_flag("--seed", type=int, default=0, help="of the weights, the data's order and dropout")
     add_flag("--compile", action="store_true", help="torch.compile the model")
     add_flag("--profile", action="store_true", help="trace steps 7 to 9 into --log-dir")
+    parser.set_defaults(grad_accum=8)  # micro-batches: they keep the stages busy
     add_flag("--schedule", choices=["gpipe", "1f1b", "zero-bubble"], default="1f1b", help="order")
     add_flag("--stages-per-process", type=number(int), default=1, help="stages each, in turn")
     add_flag("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
@@ -382,9 +383,8 @@ def start_profiler(args, rank):
                                   on_trace_ready=lambda prof: prof.export_chrome_trace(trace))
 
 def stop_vote(signals_received):
-    """The stop signal any rank has received (the largest), or 0: every rank gets the same answer,
-    and so stops at the same step. On the CPU (gloo), while the GPU still runs the step's work;
-    main() asks at logging steps alone, as a round through every rank costs more as they grow."""
+    """The stop signal any rank has received (the largest), or 0: every rank stops at one step. On
+    the CPU (gloo), at logging steps alone: a round through every rank costs more as they grow."""
     signum = torch.tensor(signals_received[0] if signals_received else 0)
     dist.all_reduce(signum, dist.ReduceOp.MAX)
     return signum.item()

@@ -57,7 +57,7 @@ DELETIONS = [
      "speed only: each save allocates its host copy anew (tests/benchmark_checkpoint.py), the same files"),
     ("single_gpu.py", "writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)", "writer = dcp.FileSystemWriter(path)",
      f"{TRAINING}::test_the_checkpoint_writer_makes_no_cuda_call_where_there_is_cuda"),
-    ("single_gpu.py", "optim_state_dict={**optimizer_state, **settings}, options=BY_NAME)",
+    ("fsdp.py", "optim_state_dict={**optimizer_state, **settings}, options=BY_NAME)",
      "optim_state_dict=optimizer_state, options=BY_NAME)",
      f"{TRAINING}::test_a_resume_trains_with_its_own_lr_and_weight_decay_and_names_them"),
     ("single_gpu.py", "value.load_state_dict(state[name])", None, f"{RESUME}[single_gpu.py]"),
@@ -68,7 +68,7 @@ DELETIONS = [
      ("not in one process, whose exit waits for DCP's thread anyway; it keeps the distributed scripts from "
       "destroying the process group under a save still in flight, and prunes before exit 75")),
     # Stop signals and divergence.
-    ("ddp_torchrun.py", "stop = stop_vote(signals_received) if voting else 0",
+    ("fsdp.py", "stop = stop_vote(signals_received) if voting else 0",
      "stop = signals_received[0] if voting and signals_received else 0", f"{STOP}[fsdp-rank-1-alone]"),
     ("ddp_spawn.py", "signals_received = catch_stop_signals()  # from before the spawn", "signals_received = []",
      f"{PREEMPTION}::test_a_stop_while_ddp_spawn_starts_its_processes_reaches_them"),
