@@ -94,7 +94,7 @@ def parse_args():
     add_data_args(parser.add_argument_group("data"))
     add_model_args(parser.add_argument_group("model"))
     args = parser.parse_args()
-    if "RANK" not in os.environ:  # python alone: one process, to wait for others that never come
+    if "RANK" not in os.environ:  # python alone: init_process_group would fail in torch's words
         fail(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
     return args
 
@@ -525,7 +525,7 @@ def load_checkpoint(path, model, optimizer, extras, config):
         fail(f"cannot resume from {path}: {str(error).strip().splitlines()[0]}")
     changed = {key.rpartition(".")[2]: (value, optimizer_state[key]) for key, value in
                settings.items() if optimizer_state[key] != value and not key.endswith(".lr")}
-    for name, (mine, theirs) in changed.items():  # "lr", the rate, is the schedule's to set
+    for name, (mine, theirs) in changed.items():  # not "lr": train_step sets the rate each step
         log.info(f"{name} {mine}, from this run's flags; the checkpoint's run had {theirs}")
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={**optimizer_state, **settings}, options=BY_NAME)

@@ -423,7 +423,7 @@ def load_checkpoint(path, model, optimizer, extras, config):
         fail(f"cannot resume from {path}: {str(error).strip().splitlines()[0]}")
     changed = {key.rpartition(".")[2]: (value, optimizer_state[key]) for key, value in
                settings.items() if optimizer_state[key] != value and not key.endswith(".lr")}
-    for name, (mine, theirs) in changed.items():  # "lr", the rate, is the schedule's to set
+    for name, (mine, theirs) in changed.items():  # not "lr": train_step sets the rate each step
         log.info(f"{name} {mine}, from this run's flags; the checkpoint's run had {theirs}")
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={**optimizer_state, **settings}, options=BY_NAME)

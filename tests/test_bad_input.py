@@ -45,9 +45,9 @@ def test_a_bad_flag_ends_the_process_with_argparses_line():
 
 @pytest.mark.parametrize("script", TORCHRUN)
 def test_a_torchrun_script_started_by_python_alone_says_how_to_start_it(script, monkeypatch, capsys):
-    """Without torchrun's environment (RANK and the rest), a process would wait for others that never come, or fail
-    in torch's words: setup() refuses in one line that gives the command. In this process, where setup() runs first
-    in main()."""
+    """Without torchrun's environment (RANK and the rest), init_process_group would fail in a traceback: parse_args()
+    refuses in one line that gives the command, once argparse has had its say (--help still works). In this
+    process."""
     module = import_script(script)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(sys, "argv", [script])

@@ -218,7 +218,7 @@ PEAKS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H1
 
 
 def assert_mfu_against_the_datasheet(config, output, log_dir, at_least=0.0):
-    """Each step line's MFU is its FLOP/s per process over this GPU's datasheet peak for the precision the run
+    """Each step line's MFU is its FLOP/s (one process here) over this GPU's datasheet peak for the precision the run
     computes in (fp32's matrix products run in TF32, at half the 16-bit peak); no MFU where the GPU is unknown."""
     script, *flags = config.split()
     default = "bf16" if script == "ddp_amp.py" else "fp32"

@@ -1,4 +1,4 @@
-"""The speed lines every script shares: tokens/s, FLOP/s per process and MFU, TF32, --compile and --profile."""
+"""The speed lines every script shares: tokens/s, FLOP/s and MFU of all processes, TF32, --compile and --profile."""
 
 import argparse
 import json
