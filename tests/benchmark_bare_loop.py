@@ -1,5 +1,6 @@
 """What a script's step costs beyond the model's: each script beside a bare loop of the same model, batch and
-strategy (no wrapper, DistributedDataParallel, or fully_shard on each block then the root), eager and compiled,
+strategy (no wrapper, DistributedDataParallel, fully_shard on each block then the root, or tensor_parallel.py's
+plan through parallelize_module, then fully_shard), eager and compiled,
 runs alternated. The bare loop is written here, apart from the scripts: it takes the model and one batch from
 the script's model and data sections, and the script's AdamW and schedule (what is compared is the loop, not the
 optimizer's settings), and then does only forward, backward, clipping, the optimizer's and schedule's steps and
@@ -17,6 +18,7 @@ processes for the distributed scripts (default 1: on one GPU, what each wrapper 
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -28,8 +30,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import ROOT, command, import_script, scalars
 
-CONFIGS = ["single_gpu.py", "ddp_torchrun.py", "ddp_amp.py --precision bf16", "fsdp.py"]
-DDP = ["ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py"]  # the scripts this bare loop can stand beside, and fsdp.py
+CONFIGS = ["single_gpu.py", "ddp_torchrun.py", "ddp_amp.py --precision bf16", "fsdp.py", "tensor_parallel.py"]
+DDP = ["ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py"]  # the scripts this bare loop can stand beside, and the sharded
+SHARDED = ["fsdp.py", "tensor_parallel.py"]
 CPU_FLAGS = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "64", "--batch-size", "16",
              "--max-steps", "800", "--log-every", "100"]
 
@@ -38,7 +41,9 @@ def bare_loop(config, flags, compiled):
     """One process of the bare loop (torchrun starts several): prints the global tokens/s, from rank 0."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel
 
     script, *own_flags = config.split()
@@ -56,15 +61,21 @@ def bare_loop(config, flags, compiled):
     torch.set_float32_matmul_precision("high")
     train_set, _, info = module.build_datasets(args)
     model = module.build_model(args, info)[0].to(device)
+    split = contextlib.nullcontext
+    if script == "tensor_parallel.py":  # every process one row: the plan's styles, then FSDP over a column of one
+        mesh = init_device_mesh(device.type, (1, world_size), mesh_dim_names=("shard", "tensor"))
+        parallelize_module(model, mesh["tensor"], {name: module.STYLES[style]
+                                                   for name, style in model.tensor_plan.items()})
+        split = loss_parallel
     per_process = args.batch_size // (world_size * args.grad_accum)
     inputs, targets = (torch.stack(t).to(device) for t in zip(*(train_set[i] for i in range(per_process))))
     dtype = torch.bfloat16 if getattr(args, "precision", "fp32") == "bf16" else None
-    if script == "fsdp.py":  # bf16 through FSDP's policy, not autocast, as fsdp.py does
+    if script in SHARDED:  # bf16 through FSDP's policy, not autocast, as fsdp.py does
         policy = MixedPrecisionPolicy(dtype or torch.float32, torch.float32)
         for block in [*model.blocks.values(), model]:
             if compiled and block is not model:
                 block.compile()
-            fully_shard(block, mp_policy=policy)
+            fully_shard(block, mesh=mesh["shard"] if script == "tensor_parallel.py" else None, mp_policy=policy)
         dtype = None
     elif compiled:
         model.compile()
@@ -75,9 +86,9 @@ def bare_loop(config, flags, compiled):
     def steps(count):
         for _ in range(count):
             for _ in range(args.grad_accum):
-                with torch.autocast(device.type, dtype, enabled=dtype is not None):
+                with torch.autocast(device.type, dtype, enabled=dtype is not None), split():
                     loss = module.loss_fn(model(inputs), targets) / args.grad_accum
-                loss.backward()
+                    loss.backward()
             if args.grad_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             for group in optimizer.param_groups:
@@ -127,8 +138,8 @@ def main():
     parser.add_argument("--bare", help=argparse.SUPPRESS)
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     args, flags = parser.parse_known_args()
-    if any(config.split()[0] not in ["single_gpu.py", *DDP, "fsdp.py"] for config in args.configs):
-        parser.error(f"--configs: {', '.join(['single_gpu.py', *DDP, 'fsdp.py'])}, with their flags")
+    if any(config.split()[0] not in ["single_gpu.py", *DDP, *SHARDED] for config in args.configs):
+        parser.error(f"--configs: {', '.join(['single_gpu.py', *DDP, *SHARDED])}, with their flags")
     if args.bare:
         return bare_loop(args.bare, flags, args.compiled)
     import torch

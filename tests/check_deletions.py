@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAINING, BAD_INPUT, SPEED = "tests/test_training.py", "tests/test_bad_input.py", "tests/test_speed.py"
 FSDP, PIPELINE, AMP = "tests/test_fsdp.py", "tests/test_pipeline.py", "tests/test_amp.py"
 PREEMPTION, LAUNCHER = "tests/test_preemption.py", "tests/test_launcher.py"
+TP = "tests/test_tensor_parallel.py"
 RESUME = f"{TRAINING}::test_resume_matches_an_uninterrupted_run_bit_for_bit"
 SAME_AS_SINGLE = f"{TRAINING}::test_same_parameters_and_losses_as_single_gpu"
 STOP = f"{PREEMPTION}::test_stop_signal_saves_at_the_documented_step_and_the_rerun_ends_bit_for_bit"
@@ -140,6 +141,20 @@ DELETIONS = [
      f"{FSDP}::test_hybrid_sharding_trains_like_one_process"),
     ("fsdp.py", "block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)", None,
      f"{FSDP}::test_activation_checkpointing_recomputes_and_gives_the_same_weights"),
+    # Tensor parallelism.
+    ("tensor_parallel.py", 'parallelize_module(model, mesh["tensor"], plan)', None,
+     f"{TP}::test_each_of_4_processes_holds_a_quarter_of_the_training_state"),
+    ("tensor_parallel.py", "qkv = self.qkv(self.attn_norm(x)).view(batch, seq_len, -1, 3, self.head_dim)",
+     "qkv = self.qkv(self.attn_norm(x)).view(batch, seq_len, 3, -1, self.head_dim).transpose(2, 3)",
+     f"{SAME_AS_SINGLE}[tensor_parallel.py]"),  # q|k|v: right in one process, wrong split by rows
+    ("tensor_parallel.py", "with loss_parallel():", "if True:", f"{SAME_AS_SINGLE}[tensor_parallel.py]"),
+    ("tensor_parallel.py", "sampler = DistributedSampler(train_set, data_size, data_rank, seed=args.seed,",
+     "sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)",
+     f"{TP}::test_two_rows_of_two_train_like_one_process"),
+    ("tensor_parallel.py", "rows, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)",
+     "rows, _ = dist.new_subgroups_by_enumeration(grid.tolist())", f"{TP}::test_two_rows_of_two_train_like_one_process"),
+    ("tensor_parallel.py", 'logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)',
+     None, f"{TRAINING}::test_trains_logs_and_checkpoints[tensor_parallel.py]"),
 ]
 
 

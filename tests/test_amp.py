@@ -1,4 +1,4 @@
-"""ddp_amp.py, and fsdp.py in fp16: mixed precision close to fp32, a loss scaler that skips an overflowing step on
+"""ddp_amp.py, and fsdp.py and tensor_parallel.py in fp16: mixed precision close to fp32, a loss scaler that skips an overflowing step on
 every rank without moving anything, exact resumes with the scale included, and checkpoints that move to and from
 ddp_torchrun.py."""
 
@@ -59,7 +59,8 @@ GradScaler.scale, GradScaler.unscale_ = overflowing_scale, overflowing_unscale
 GradScaler.step, GradScaler.update = noting_step, snapshotting_update
 """
 # Each script's fp16, and where its overflow is injected.
-FP16 = {"ddp_amp.py": ("loss", "ddp_torchrun.py"), "fsdp.py": ("shard", "fsdp.py")}
+FP16 = {"ddp_amp.py": ("loss", "ddp_torchrun.py"), "fsdp.py": ("shard", "fsdp.py"),
+        "tensor_parallel.py": ("shard", "tensor_parallel.py")}
 
 
 def final_loss(log_dir):
@@ -98,7 +99,7 @@ def test_bf16_close_to_fp32(trained):
 
 
 def test_fp16_close_to_fp32(trained, fp16):
-    """fp16 with loss scaling: as close to the same script's fp32 (fsdp.py's own; ddp_torchrun.py's for ddp_amp.py)."""
+    """fp16 with loss scaling: as close to the same script's fp32 (its own; ddp_torchrun.py's for ddp_amp.py)."""
     script, result, log_dir = fp16
     close_to_fp32(f"{script} fp16", result, log_dir, trained[FP16[script][1]].log_dir)
 

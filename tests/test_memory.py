@@ -1,4 +1,4 @@
-"""fsdp.py and pipeline.py for a model too big to be cheap in one process: on four processes, each holds a fraction of
+"""fsdp.py, pipeline.py and tensor_parallel.py for a model too big to be cheap in one process: on four processes, each holds a fraction of
 what single_gpu.py holds for a 56.8M-parameter GPT, and none ever holds the whole model while building it. Memory is
 the peak resident set of a process, as the OS counts it. tests/benchmark_memory.py prints the figures for 1, 2 and 4
 processes, and what --activation-checkpointing saves."""
@@ -18,7 +18,7 @@ BIG = ["--d-model", 768, "--n-layers", 8, "--n-heads", 8, "--seq-len", 32, "--ba
        "--eval-batches", 1]
 SMALL = ["--d-model", 64, "--n-layers", 4, "--n-heads", 8, "--seq-len", 32, "--batch-size", 8, "--max-steps", 1,
          "--eval-batches", 1]
-FLAGS = {"single_gpu.py": [], "fsdp.py": [], "pipeline.py": ["--grad-accum", 4]}
+FLAGS = {"single_gpu.py": [], "fsdp.py": [], "pipeline.py": ["--grad-accum", 4], "tensor_parallel.py": []}
 # glibc keeps a freed block smaller than its mmap threshold for reuse, and raises the threshold to the largest block
 # freed (up to 32 MiB), in a heap per thread: the resident set then counts tensors long freed. A threshold fixed at
 # 1 MiB hands every larger block back to the OS when it is freed, so that the figure is what the tensors held: what
@@ -87,7 +87,7 @@ def single_gpu(tmp_path_factory):
     return peaks("single_gpu.py", 1, BIG, tmp_path)[0], peaks("single_gpu.py", 1, SMALL, tmp_path)[0]
 
 
-@pytest.mark.parametrize("script", ["fsdp.py", "pipeline.py"])
+@pytest.mark.parametrize("script", ["fsdp.py", "pipeline.py", "tensor_parallel.py"])
 def test_four_processes_each_hold_a_fraction_and_never_the_whole_model(single_gpu, script, tmp_path):
     """What the big model costs a process: what it adds to its peak from its start, less what single_gpu.py's adds
     with a small model (the same for every script, but for the process group's own few MiB, which count against the

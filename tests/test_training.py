@@ -184,7 +184,7 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     # most 2 batches of 4 at the end (12 samples on this machine): at most 2 x (2 x 2 + 2 x 4) = 24.
     fetches, trained_on = (tmp_path / "fetches").read_text().split(), (STEPS - HALF) * 8
     fetched = len(fetches)
-    if script == "pipeline.py":
+    if script in ("pipeline.py", "tensor_parallel.py"):  # each of 2 ranks: the whole batch
         trained_on *= 2
     print(f"\n{script} --workers {workers}: resumed at step {HALF}, fetched {fetched} samples to train on {trained_on}")
     assert fetched == trained_on if workers == 0 else trained_on <= fetched <= trained_on + 24
@@ -194,7 +194,7 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     # two reports can land on one line.
     reports = re.findall(r"gloo threads at exit: (\d+) \((\w+)\)", output)
     assert sorted(who for _, who in reports if who != "other") == (["0", "1"] if script in DISTRIBUTED else []), output
-    assert script == "fsdp.py" or all(count == "0" for count, _ in reports), output
+    assert script in ("fsdp.py", "tensor_parallel.py") or all(count == "0" for count, _ in reports), output
 
     assert_identical(load(ckpt_dir), load(trained[script].ckpt_dir))
     # The losses logged after the restart are the uninterrupted run's, exactly.
@@ -236,19 +236,24 @@ def test_init_scales_the_residual_projections_as_gpt2s(monkeypatch):
 
 def test_checkpoints_move_between_scripts_and_numbers_of_processes(trained, halfway, tmp_path):
     """One run handed on: single_gpu.py's step 8 (one process, whole tensors) trained on by fsdp.py to step 12 (two
-    processes, each a shard of every tensor), that by pipeline.py to step 16 (two processes, each a stage's whole
-    tensors). It ends on single_gpu.py's uninterrupted weights and losses within the tolerance of fp32 sums."""
+    processes, each a shard of every tensor), that by tensor_parallel.py to step 14 (two processes, each a part of
+    every layer), that by pipeline.py to step 16 (two processes, each a stage's whole tensors). It ends on
+    single_gpu.py's uninterrupted weights and losses within the tolerance of fp32 sums."""
     ckpt_dir = resume_in(halfway["single_gpu.py"], tmp_path / "ckpt")
     output = resume("fsdp.py", ckpt_dir, tmp_path / "fsdp", 12)
     assert f"resumed from {ckpt_dir}/step-{HALF:06d} at step {HALF}\n" in output, output
-    output = resume("pipeline.py", ckpt_dir, tmp_path / "pipeline")
+    output = resume("tensor_parallel.py", ckpt_dir, tmp_path / "tensor_parallel", 14)
     assert f"resumed from {ckpt_dir}/step-000012 at step 12\n" in output, output
+    output = resume("pipeline.py", ckpt_dir, tmp_path / "pipeline")
+    assert f"resumed from {ckpt_dir}/step-000014 at step 14\n" in output, output
     reference = trained["single_gpu.py"]
     difference = max_param_diff(load(ckpt_dir)["model"], load(reference.ckpt_dir)["model"])
-    print(f"single_gpu.py to fsdp.py to pipeline.py: largest difference from single_gpu.py's weights {difference:.2g}")
+    print(f"single_gpu.py, fsdp.py, tensor_parallel.py, pipeline.py: largest difference from single_gpu.py's weights "
+          f"{difference:.2g}")
     assert difference <= PARAM_ATOL
     expected = scalars(reference.log_dir)["train/loss"]
-    got = {**scalars(tmp_path / "fsdp")["train/loss"], **scalars(tmp_path / "pipeline")["train/loss"]}
+    got = {step: loss for name in ("fsdp", "tensor_parallel", "pipeline")
+           for step, loss in scalars(tmp_path / name)["train/loss"].items()}
     assert got.keys() == {step for step in expected if step > HALF}
     assert all(abs(expected[step] - got[step]) <= LOSS_ATOL for step in got), (expected, got)
 

@@ -1,0 +1,155 @@
+"""tensor_parallel.py: every layer split across T processes, and with T < N the blocks sharded by FSDP across the rows
+of T. On 4 processes (2 rows of 2) each holds a quarter of the training state and ends on single_gpu.py's weights;
+its checkpoint resumes on 2; bf16 computes in 16 bits over fp32 state; compiled and recomputed blocks train as the
+plain ones do; and what cannot be split is refused in one line. Its runs on 2 processes (T 2) are in the tests every
+script has (tests/test_training.py: single_gpu.py's weights, exact validation, a resume bit for bit, checkpoints
+moved between scripts)."""
+
+import argparse
+import fnmatch
+import json
+
+import pytest
+import torch
+
+from conftest import (HALF, PARAM_ATOL, STEPS, TINY, WARNING, fails_cleanly, import_script, injected, load,
+                      max_param_diff, resume_in, run, scalars, trains_compiled_like_eager)
+from test_fsdp import COUNT_ATTENTION, RECORD_DTYPES, measured
+from test_training import LOSS_ATOL
+
+SCRIPT = "tensor_parallel.py"
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    """tensor_parallel.py --tensor-parallel 2 on 4 processes for HALF steps, with --activation-checkpointing: 2 rows
+    of 2 processes, each rank noting what it holds and how many times attention ran in training."""
+    out = tmp_path_factory.mktemp("two_by_two")
+    env, held = measured(out, 4, COUNT_ATTENTION)
+    result = run(SCRIPT, *TINY, "--tensor-parallel", 2, "--activation-checkpointing", "--timeout", 240,
+                 "--max-steps", HALF, "--lr-decay-steps", STEPS, "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb",
+                 nproc=4, env=env, timeout=300)
+    assert result.returncode == 0, result.output
+    assert not WARNING.search(result.output), result.output
+    attention = [int((out / f"attention{rank}").read_text()) for rank in range(4)]
+    return result, out, held(), attention
+
+
+def test_two_rows_of_two_train_like_one_process(halfway, two_by_two):
+    """2 x 2: the weights, the losses and the validation are single_gpu.py's; the line on the batch names the split;
+    and both groups of the mesh wait --timeout (240 s) for a stuck rank, not torch's default for a new group."""
+    result, out, held, _ = two_by_two
+    assert "global batch 8 = 2 x 2 micro-batches x 2 rows of 2\n" in result.output, result.output
+    assert [rank["timeouts"] for rank in held] == [[240, 240]] * 4
+    reference = halfway["single_gpu.py"]
+    difference = max_param_diff(load(out / "ckpt")["model"], load(reference.ckpt_dir)["model"])
+    print(f"2 x 2 processes: largest difference from single_gpu.py's weights {difference:.2g}")
+    assert difference <= PARAM_ATOL
+    expected, got = scalars(reference.log_dir), scalars(out / "tb")
+    assert expected["train/loss"].keys() == got["train/loss"].keys()
+    assert all(abs(expected["train/loss"][s] - got["train/loss"][s]) <= LOSS_ATOL for s in got["train/loss"]), got
+    for step in 0, HALF:  # as tests/test_training.py's test_validation_is_exact_across_ranks bounds it
+        assert got["val/loss"][step] == pytest.approx(expected["val/loss"][step], rel=1e-6)
+        assert abs(got["val/accuracy"][step] - expected["val/accuracy"][step]) <= 1 / 128
+
+
+def replicated_bytes():
+    """The bytes of TINY's GPT's parameters that tensor parallelism leaves whole: the norms' and a "row" layer's bias
+    (by the model's tensor_plan)."""
+    module = import_script("single_gpu.py")
+    with torch.device("meta"):
+        model, _ = module.build_model(argparse.Namespace(d_model=32, n_layers=2, n_heads=2, seq_len=16),
+                                      {"vocab_size": 256})
+    styles = [(pattern, style) for pattern, style in model.tensor_plan.items()]
+    total = 0
+    for name, param in model.named_parameters():
+        layer, _, kind = name.rpartition(".")
+        style = next(style for pattern, style in styles if fnmatch.fnmatchcase(layer, pattern))
+        total += param.nbytes * (style == "norm" or (style == "row" and kind == "bias"))
+    return total
+
+
+def test_each_of_4_processes_holds_a_quarter_of_the_training_state(two_by_two):
+    """Each rank holds a quarter of every matrix and embedding (a half by rows or columns in its row of 2, then a
+    half of that by FSDP), and half of each vector that every rank of a row computes with whole: the norms and the
+    biases that a "row" layer adds after its sum. Gradients as large, AdamW's two moments too, plus a step count
+    (an fp32 scalar) per parameter. No rank holds what another holds of a split tensor."""
+    _, _, held, _ = two_by_two
+    whole, whole_vectors = held[0]["whole"], replicated_bytes()
+    print(f"\nweights {whole} bytes, of which {whole_vectors} in vectors whole on each rank of a row; rank 0 holds "
+          f"{held[0]['weights']}")
+    for rank in held:
+        assert rank["weights"] == (whole - whole_vectors) / 4 + whole_vectors / 2, rank
+        assert rank["gradients"] == rank["weights"], rank
+        assert rank["optimizer"] == 2 * rank["weights"] + 4 * rank["params"], rank
+    assert len({json.dumps(rank["sums"]) for rank in held}) == 4  # four different parts
+
+
+def test_activation_checkpointing_recomputes_each_block(two_by_two):
+    """Each block's forward runs twice per micro-batch (TINY's 2 blocks, 2 micro-batches a step), the second time in
+    backward, on every rank: the split blocks are recomputed as fsdp.py's whole ones are."""
+    assert two_by_two[3] == [HALF * 2 * 2 * 2] * 4, two_by_two[3]
+
+
+def test_checkpoint_of_two_rows_resumes_on_two_processes(trained, two_by_two, tmp_path):
+    """Saved by 2 x 2 processes at HALF (each tensor cut twice), resumed by 2 (cut once): the run ends where
+    single_gpu.py's does."""
+    ckpt_dir = resume_in(argparse.Namespace(run=two_by_two[0], ckpt_dir=two_by_two[1] / "ckpt"), tmp_path / "ckpt")
+    result = run(SCRIPT, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb")
+    assert result.returncode == 0, result.output
+    assert f"resumed from {ckpt_dir / f'step-{HALF:06d}'} at step {HALF}" in result.output, result.output
+    difference = max_param_diff(load(ckpt_dir)["model"], load(trained["single_gpu.py"].ckpt_dir)["model"])
+    print(f"2 x 2 then 2 processes: largest difference from single_gpu.py's weights {difference:.2g}")
+    assert difference <= PARAM_ATOL
+
+
+def test_bf16_trains_close_to_fp32(halfway, tmp_path):
+    """bf16 computation over fp32 state, as in fsdp.py: the loss follows fp32's within bf16's rounding, and the
+    gradients that reach clipping, the weights and AdamW's state are fp32."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "dtypes").mkdir()
+    env = {**injected(tmp_path / "site", RECORD_DTYPES), "DTYPE_DIR": str(tmp_path / "dtypes")}
+    result = run(SCRIPT, *TINY, "--max-steps", HALF, "--lr-decay-steps", STEPS, "--precision", "bf16",
+                 "--log-dir", tmp_path / "tb", env=env)
+    assert result.returncode == 0, result.output
+    assert not WARNING.search(result.output), result.output
+    bf16, fp32 = scalars(tmp_path / "tb"), scalars(halfway[SCRIPT].log_dir)
+    gaps = [abs(bf16["train/loss"][step] - fp32["train/loss"][step]) for step in fp32["train/loss"]]
+    print(f"bf16 against fp32: largest train-loss gap {max(gaps):.3g}")
+    assert 0 < max(gaps) < 0.01, gaps
+    for rank in range(2):
+        records = [json.loads(line) for line in (tmp_path / "dtypes" / f"rank{rank}").read_text().splitlines()]
+        grads, steps = [r for r in records if "grads" in r], [r for r in records if "weights" in r]
+        assert len(grads) == len(steps) == HALF, records
+        assert all(r["grads"] == ["torch.float32"] for r in grads), grads
+        assert all(r["weights"] == r["state"] == ["torch.float32"] for r in steps), steps
+
+
+def test_compiled_blocks_train_like_eager(trained, tmp_path):
+    """--compile compiles each split block (DTensor's collectives inside the graph, on gloo too): like eager, compiled
+    at the first evaluation (no autograd), then once more for training."""
+    recompiles = trains_compiled_like_eager(SCRIPT, trained[SCRIPT], tmp_path)
+    assert recompiles == [1, 1]
+
+
+@pytest.mark.parametrize("flags, world_size, message", [
+    ({"tensor_parallel": 3}, 6, None),
+    ({"tensor_parallel": 4}, 6, "--tensor-parallel 4 does not divide 6 processes evenly"),
+    ({"tensor_parallel": 4, "n_heads": 2}, 8, "--tensor-parallel 4 does not divide --n-heads 2"),
+    ({"tensor_parallel": 2, "seq_len": 9}, 2, "--tensor-parallel 2 does not divide --seq-len 9"),
+    ({"tensor_parallel": None, "n_heads": 6}, 4, "--tensor-parallel 4 does not divide --n-heads 6")])
+def test_what_cannot_be_split_is_refused(flags, world_size, message):
+    """T must divide the processes into rows, and each process must hold whole heads and whole positions; T's
+    default is every process."""
+    args = argparse.Namespace(**{"tensor_parallel": None, "n_heads": 12, "seq_len": 48, **flags})
+    size = import_script(SCRIPT).tensor_parallel_size
+    if message is None:
+        assert size(args, world_size) == 3
+        return
+    with pytest.raises(SystemExit) as stop:
+        size(args, world_size)
+    assert stop.value.code == f"{SCRIPT}: error: {message}"
+
+
+def test_a_refusal_stops_every_rank():
+    fails_cleanly(SCRIPT, ["--tensor-parallel", 3], "--tensor-parallel 3 does not divide 2 processes evenly")
