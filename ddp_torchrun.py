@@ -156,14 +156,14 @@ class Block(nn.Module):
         super().__init__()
         self.head_dim = d_model // n_heads
         self.attn_norm = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)  # q, k, v rows head by head
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)  # rows: q, k, v of head 0, of 1...
         self.attn_out = nn.Linear(d_model, d_model)
         self.mlp_norm = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
                                  nn.Linear(4 * d_model, d_model))
 
     def forward(self, x):
-        batch, seq_len, _ = x.shape  # -1 below: the heads here (tensor_parallel.py's, a share)
+        batch, seq_len, _ = x.shape  # by head, -1 heads: a split by rows (tensor_parallel.py) works
         qkv = self.qkv(self.attn_norm(x)).view(batch, seq_len, -1, 3, self.head_dim)
         q, k, v = qkv.transpose(1, 2).unbind(3)  # each (batch, heads, seq_len, head_dim)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -181,9 +181,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.residual_std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2's: a stream added to 2n times
         self.tensor_plan = {  # for tensor_parallel.py: how it splits each layer ("*": every block)
-            "tok_emb": "embedding", "pos_emb": "embedding", "blocks.*.attn_norm": "norm",
-            "blocks.*.qkv": "column", "blocks.*.attn_out": "row", "blocks.*.mlp_norm": "norm",
-            "blocks.*.mlp.0": "column", "blocks.*.mlp.2": "row", "norm": "norm", "head": "output"}
+            "tok_emb": "embedding", "pos_emb": "embedding", "norm": "norm", "head": "vocabulary",
+            "blocks.*.attn_norm": "norm", "blocks.*.qkv": "column", "blocks.*.attn_out": "row",
+            "blocks.*.mlp_norm": "norm", "blocks.*.mlp.0": "column", "blocks.*.mlp.2": "row"}
 
     def init_tensor(self, name, value, generator):
         """Fill `value` with tensor `name`'s initial values, as GPT-2's: N(0, 0.02), biases 0."""

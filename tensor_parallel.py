@@ -1,4 +1,4 @@
-"""Train a small GPT with tensor parallelism: each of N processes holds 1/N of every layer.
+"""Train a small GPT with tensor parallelism: rows of T processes split every layer, FSDP across.
 
     torchrun --standalone --nproc_per_node=2 tensor_parallel.py  # --precision bf16 or fp16: 16 bits
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
@@ -164,14 +164,14 @@ class Block(nn.Module):
         super().__init__()
         self.head_dim = d_model // n_heads
         self.attn_norm = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)  # q, k, v rows head by head
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)  # rows: q, k, v of head 0, of 1...
         self.attn_out = nn.Linear(d_model, d_model)
         self.mlp_norm = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
                                  nn.Linear(4 * d_model, d_model))
 
     def forward(self, x):
-        batch, seq_len, _ = x.shape  # -1 below: the heads here (tensor_parallel.py's, a share)
+        batch, seq_len, _ = x.shape  # by head, -1 heads: a split by rows (tensor_parallel.py) works
         qkv = self.qkv(self.attn_norm(x)).view(batch, seq_len, -1, 3, self.head_dim)
         q, k, v = qkv.transpose(1, 2).unbind(3)  # each (batch, heads, seq_len, head_dim)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -189,9 +189,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.residual_std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2's: a stream added to 2n times
         self.tensor_plan = {  # for tensor_parallel.py: how it splits each layer ("*": every block)
-            "tok_emb": "embedding", "pos_emb": "embedding", "blocks.*.attn_norm": "norm",
-            "blocks.*.qkv": "column", "blocks.*.attn_out": "row", "blocks.*.mlp_norm": "norm",
-            "blocks.*.mlp.0": "column", "blocks.*.mlp.2": "row", "norm": "norm", "head": "output"}
+            "tok_emb": "embedding", "pos_emb": "embedding", "norm": "norm", "head": "vocabulary",
+            "blocks.*.attn_norm": "norm", "blocks.*.qkv": "column", "blocks.*.attn_out": "row",
+            "blocks.*.mlp_norm": "norm", "blocks.*.mlp.0": "column", "blocks.*.mlp.2": "row"}
 
     def init_tensor(self, name, value, generator):
         """Fill `value` with tensor `name`'s initial values, as GPT-2's: N(0, 0.02), biases 0."""
@@ -248,33 +248,33 @@ def setup(args):
 
 SEQUENCE = Shard(1)  # of (batch, sequence, features): between layers, each rank some positions
 STYLES = {  # how tensor_plan's words split a layer, and what it passes on
-    "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-2),  # SEQUENCE's
-                                 use_local_output=False),  # dim of pos_emb's (positions, features)
+    "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-2),  # positions:
+                                 use_local_output=False),  # tok_emb's dim 1, pos_emb's dim 0
     "norm": SequenceParallel(),  # whole weights: each rank normalizes its positions
-    "column": ColwiseParallel(input_layouts=SEQUENCE),  # all-gathers the sequence: its outputs
+    "column": ColwiseParallel(input_layouts=SEQUENCE),  # gathers positions; own features, plain
     "row": RowwiseParallel(output_layouts=SEQUENCE, use_local_output=False),  # reduce-scatters
-    "output": ColwiseParallel(input_layouts=SEQUENCE, output_layouts=Shard(-1),
-                              use_local_output=False)}  # the loss from each rank's vocabulary
+    "vocabulary": ColwiseParallel(input_layouts=SEQUENCE, output_layouts=Shard(-1),
+                                  use_local_output=False)}  # for loss_parallel: a share each
 
 def prepare_model(model, args, device):
-    """Split every layer across a row of processes as the model's plan says, then shard the blocks
-    over the rows as fsdp.py does; then give each rank's shards their initial values."""
+    """Split every layer across a row of processes as the model's plan says, then shard it across
+    the rows as fsdp.py does; then give each rank's shards their initial values."""
     if not hasattr(model, "blocks") and (args.compile or args.activation_checkpointing):
         fail("--compile and --activation-checkpointing work on the model's blocks: it has none")
     if not hasattr(model, "tensor_plan"):
         fail("the model has no tensor_plan: say how to split each layer, as GPT's does")
     n, t = dist.get_world_size(), tensor_parallel_size(args, dist.get_world_size())
-    # Row i: ranks iT to iT + T - 1, in a node; column j: the N/T with the same part of a layer.
+    # Row i: ranks iT to iT + T - 1 (one node's if T divides it); column j: part j of every layer.
     timeout, grid = datetime.timedelta(seconds=args.timeout), torch.arange(n).view(n // t, t)
-    rows, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)  # --timeout's wait
-    columns, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=timeout)
-    mesh = DeviceMesh.from_group([columns, rows], device.type, mesh=grid,
+    row, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)  # wait --timeout
+    column, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=timeout)
+    mesh = DeviceMesh.from_group([column, row], device.type, mesh=grid,
                                  mesh_dim_names=("shard", "tensor"))
     plan = {name: STYLES[style] for name, style in model.tensor_plan.items()}
-    parallelize_module(model, mesh["tensor"], plan)
-    # Its warning: clipping sums the gradients' norms over both dimensions, an all-reduce in each.
+    parallelize_module(model, mesh["tensor"], plan)  # first: FSDP then shards its DTensors
+    # torch warns once that clipping's norm takes an all-reduce on each mesh dimension: harmless.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    mesh = mesh["shard"]  # FSDP shards over the columns
+    mesh = mesh["shard"]  # FSDP shards across the rows: a column's N/T processes, one part each
     # 16 bits: weights gathered and computed in 16 bits, gradients reduced in fp32 into fp32 shards.
     param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     for block in model.blocks.values() if hasattr(model, "blocks") else []:
@@ -311,7 +311,7 @@ def tensor_parallel_size(args, world_size):
     t = args.tensor_parallel or world_size
     if world_size % t:
         fail(f"--tensor-parallel {t} does not divide {world_size} processes evenly")
-    for flag in ("n_heads", "seq_len"):  # whole heads and whole positions on every process
+    for flag in ("n_heads", "seq_len"):  # whole heads and positions a process (no flag: no check)
         if getattr(args, flag, t) % t:
             fail(f"--tensor-parallel {t} does not divide --{flag.replace('_', '-')} "
                  f"{getattr(args, flag)}")
@@ -426,8 +426,8 @@ def train_step(model, optimizer, step, scaler, micro_batches, args, device):
     total_loss = torch.zeros((), device=device)  # .item() waits for the GPU: logging steps alone
     for micro_step in range(args.grad_accum):
         inputs, targets = (t.to(device, non_blocking=True) for t in next(micro_batches))
-        with loss_parallel():  # the loss from each rank's share of the vocabulary
-            loss = loss_fn(model(inputs), targets).to_local() / args.grad_accum
+        with loss_parallel():  # the loss and its backward from each rank's share of the vocabulary
+            loss = loss_fn(model(inputs), targets).to_local() / args.grad_accum  # a plain tensor
             scaler.scale(loss).backward()  # reduce-scatters: each rank keeps its gradients' shard
         total_loss += loss.detach()
     scaler.unscale_(optimizer)  # the true gradients, to clip; an inf on any rank's shard counts

@@ -43,7 +43,7 @@ TINY = [*TINY_BUILT_IN, "--data", str(ROOT / "tests" / "tiny.txt"), "--seed", "7
 
 # Python warnings ("UserWarning: ..."), and log lines at warning or error level: c10's ("[W1121 ..." from a
 # worker, "W1121 ..." from torchrun's agent) and torch's Python loggers' in a worker ("[rank0]:W1121 ...").
-WARNING = re.compile(r"Warning|^(\[rank\d+\]:)?\[?[WE]\d{4} ", re.MULTILINE)
+WARNING = re.compile(r"Warning|^(?:\[rank\d+\]:)?\[?[WE]\d{4} ", re.MULTILINE)
 
 # Two tiers. `python -m pytest tests` runs the smoke tier, the tests marked `smoke`: every script trains, its loss
 # falls, it checkpoints and resumes exactly, and the distributed ones reach single_gpu.py's weights, in a few
