@@ -93,10 +93,11 @@ def test_four_processes_each_hold_a_fraction_and_never_the_whole_model(single_gp
     with a small model (the same for every script, but for the process group's own few MiB, which count against the
     script). Training: on 4 processes, at most 40% of what it costs single_gpu.py (a quarter of the weights,
     gradients and AdamW state, and the activations of fewer samples; seen: 30-32% in fsdp.py, 23-24% in
-    pipeline.py). Building: when the optimizer is built, just after the model was built, placed and given its
-    initial values, nearer the process's share of the weights than the whole model (seen: 0.06-0.08 GiB in fsdp.py,
-    0.04-0.05 in pipeline.py, against a share of 0.054 and a whole of 0.212): a process that built the whole model
-    first would hold all of it beside the group's and the allocator's few MiB, which vary from run to run."""
+    pipeline.py, 30% in tensor_parallel.py). Building: when the optimizer is built, just after the model was built,
+    placed and given its initial values, nearer the process's share of the weights than the whole model (seen:
+    0.06-0.08 GiB in fsdp.py, 0.04-0.05 in pipeline.py, 0.10 in tensor_parallel.py, against a share of 0.054 and a
+    whole of 0.212): a process that built the whole model first would hold all of it beside the group's and the
+    allocator's few MiB, which vary from run to run."""
     (big, small), (cost, _) = single_gpu, peaks(script, 4, [*BIG, *FLAGS[script]], tmp_path)
     whole, outside_blocks, rows = big_model_sizes()
     # The heaviest process's weights: a quarter of the blocks, plus (pipeline.py's first or last stage) what is not

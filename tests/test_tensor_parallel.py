@@ -1,7 +1,8 @@
 """tensor_parallel.py: every layer split across T processes, and with T < N the blocks sharded by FSDP across the rows
 of T. On 4 processes (2 rows of 2) each holds a quarter of the training state and ends on single_gpu.py's weights;
-its checkpoint resumes on 2; bf16 computes in 16 bits over fp32 state; compiled and recomputed blocks train as the
-plain ones do; and what cannot be split is refused in one line. Its runs on 2 processes (T 2) are in the tests every
+its checkpoint resumes on 2; with two heads a process, qkv's rows must be stored head by head (read q|k|v, a split
+cuts across heads); bf16 computes in 16 bits over fp32 state; compiled and recomputed blocks train as the plain ones
+do; and what cannot be split is refused in one line. Its runs on 2 processes (T 2) are in the tests every
 script has (tests/test_training.py: single_gpu.py's weights, exact validation, a resume bit for bit, checkpoints
 moved between scripts)."""
 
@@ -12,7 +13,7 @@ import json
 import pytest
 import torch
 
-from conftest import (HALF, PARAM_ATOL, STEPS, TINY, WARNING, fails_cleanly, import_script, injected, load,
+from conftest import (HALF, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, fails_cleanly, import_script, injected, load,
                       max_param_diff, resume_in, run, scalars, trains_compiled_like_eager)
 from test_fsdp import COUNT_ATTENTION, RECORD_DTYPES, measured
 from test_training import LOSS_ATOL
@@ -153,3 +154,33 @@ def test_what_cannot_be_split_is_refused(flags, world_size, message):
 
 def test_a_refusal_stops_every_rank():
     fails_cleanly(SCRIPT, ["--tensor-parallel", 3], "--tensor-parallel 3 does not divide 2 processes evenly")
+
+
+# qkv's rows as the model section reads them (head by head), and as GPT-2 lays them out (all heads' q, then k, then
+# v): in one process two readings of the same drawn matrix, equally good models.
+HEAD_BY_HEAD = "qkv = self.qkv(self.attn_norm(x)).view(batch, seq_len, -1, 3, self.head_dim)"
+BY_ROLE = "qkv = self.qkv(self.attn_norm(x)).view(batch, seq_len, 3, -1, self.head_dim).transpose(2, 3)"
+
+
+def test_two_heads_a_process_need_qkv_stored_head_by_head(tmp_path):
+    """4 heads on 2 processes, 2 each (TINY's 2 heads give each process one, where both readings agree): as the
+    model section stores qkv, tensor_parallel.py ends on single_gpu.py's weights. With the model section changed to
+    read the rows q|k|v, one process trains as well, but a split by rows now gives a process q of two heads where it
+    wants q, k and v of one: the weights end far from that one process's, with no error."""
+    flags = [*TINY, "--n-heads", 4, "--max-steps", 4, "--eval-every", 4, "--ckpt-every", 4]
+    weights = {}
+    for layout in ("head by head", "by role"):
+        for script, nproc in [("single_gpu.py", 1), (SCRIPT, 2)]:
+            path = ROOT / script
+            if layout == "by role":
+                path = tmp_path / script
+                path.write_text((ROOT / script).read_text().replace(HEAD_BY_HEAD, BY_ROLE))
+            out = tmp_path / f"{layout.replace(' ', '-')}-{script[:-3]}"
+            result = run(path, *flags, "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb", nproc=nproc)
+            assert result.returncode == 0 and not WARNING.search(result.output), result.output
+            weights[layout, script] = load(out / "ckpt")["model"]
+    same = max_param_diff(weights["head by head", SCRIPT], weights["head by head", "single_gpu.py"])
+    cut = max_param_diff(weights["by role", SCRIPT], weights["by role", "single_gpu.py"])
+    print(f"\n2 heads a process, from one process's weights: stored head by head {same:.2g}, q|k|v {cut:.2g}")
+    assert same <= PARAM_ATOL
+    assert cut > 1e-3
