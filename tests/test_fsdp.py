@@ -147,31 +147,41 @@ torch.nn.utils.clip_grad_norm_, torch.optim.AdamW.step = recording_clip, recordi
 """
 
 
-def test_bf16_trains_close_to_fp32(halfway, tmp_path):
-    """bf16 computation (8 bits of mantissa), with gradients reduced, kept and stepped in fp32: the loss follows
-    fp32's, training works as well, and the gradients hold values that bf16 cannot. One micro-batch a step (which
-    sums the same fp32 values as two, in another order): accumulating two would add bits to a bf16 reduction's."""
+def trained_in_bf16(script, halfway, tmp_path):
+    """`halfway`'s run of `script` in bf16, one micro-batch a step (which sums the same fp32 values as two, in another
+    order): the loss within 0.01 of fp32's, and not fp32's, and on each rank the gradients that reach clipping, the
+    weights and AdamW's state all fp32. Returns each rank's records of its gradients."""
     (tmp_path / "site").mkdir()
     (tmp_path / "dtypes").mkdir()
     env = {**injected(tmp_path / "site", RECORD_DTYPES), "DTYPE_DIR": str(tmp_path / "dtypes")}
-    result = run("fsdp.py", *TINY, "--max-steps", HALF, "--lr-decay-steps", STEPS, "--precision", "bf16",
+    result = run(script, *TINY, "--max-steps", HALF, "--lr-decay-steps", STEPS, "--precision", "bf16",
                  "--grad-accum", 1, "--log-dir", tmp_path / "tb", env=env)
     assert result.returncode == 0, result.output
     assert not WARNING.search(result.output), result.output
-    bf16, fp32 = scalars(tmp_path / "tb"), scalars(halfway["fsdp.py"].log_dir)
+    bf16, fp32 = scalars(tmp_path / "tb"), scalars(halfway[script].log_dir)
     assert bf16["train/loss"][2] - bf16["train/loss"][HALF] > 0.4, bf16["train/loss"]
     gaps = [abs(bf16["train/loss"][step] - fp32["train/loss"][step]) for step in fp32["train/loss"]]
-    print(f"bf16 against fp32: largest train-loss gap {max(gaps):.3g}")
+    print(f"{script} bf16 against fp32: largest train-loss gap {max(gaps):.3g}")
     assert 0 < max(gaps) < 0.01, gaps
+    gradients = []
     for rank in range(2):
         records = [json.loads(line) for line in (tmp_path / "dtypes" / f"rank{rank}").read_text().splitlines()]
         grads, steps = [r for r in records if "grads" in r], [r for r in records if "weights" in r]
         assert len(grads) == len(steps) == HALF, records
         assert all(r["grads"] == ["torch.float32"] for r in grads), grads
         assert all(r["weights"] == r["state"] == ["torch.float32"] for r in steps), steps
+        gradients.append(grads)
+    return gradients
+
+
+def test_bf16_trains_close_to_fp32(halfway, tmp_path):
+    """bf16 computation (8 bits of mantissa), with gradients reduced, kept and stepped in fp32: the loss follows
+    fp32's, training works as well, and the gradients hold values that bf16 cannot: a module that reduced in bf16
+    would have none."""
+    for rank, grads in enumerate(trained_in_bf16("fsdp.py", halfway, tmp_path)):
         # Reduced in bf16, every value fits bf16; in fp32, the sum of two ranks' bf16 gradients mostly does not,
         # in every gradient that is not all zeros (rank 1's rows of the token embedding: bytes from 128 on, which
-        # tiny.txt lacks, are): a module that reduced in bf16 would have none.
+        # tiny.txt lacks, are).
         beyond = [sum(counts) for counts in zip(*(r["beyond_bf16"] for r in grads))]
         nonzero = [sum(counts) for counts in zip(*(r["nonzero"] for r in grads))]
         fewest = min(b for b, n in zip(beyond, nonzero) if n)

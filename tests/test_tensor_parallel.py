@@ -9,13 +9,14 @@ moved between scripts)."""
 import argparse
 import fnmatch
 import json
+import shutil
 
 import pytest
 import torch
 
-from conftest import (HALF, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, fails_cleanly, import_script, injected, load,
-                      max_param_diff, resume_in, run, scalars, trains_compiled_like_eager)
-from test_fsdp import COUNT_ATTENTION, RECORD_DTYPES, measured
+from conftest import (HALF, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, fails_cleanly, import_script, load, max_param_diff,
+                      run, scalars, trains_compiled_like_eager)
+from test_fsdp import COUNT_ATTENTION, measured, trained_in_bf16
 from test_training import LOSS_ATOL
 
 SCRIPT = "tensor_parallel.py"
@@ -95,7 +96,7 @@ def test_activation_checkpointing_recomputes_each_block(two_by_two):
 def test_checkpoint_of_two_rows_resumes_on_two_processes(trained, two_by_two, tmp_path):
     """Saved by 2 x 2 processes at HALF (each tensor cut twice), resumed by 2 (cut once): the run ends where
     single_gpu.py's does."""
-    ckpt_dir = resume_in(argparse.Namespace(run=two_by_two[0], ckpt_dir=two_by_two[1] / "ckpt"), tmp_path / "ckpt")
+    ckpt_dir = shutil.copytree(two_by_two[1] / "ckpt", tmp_path / "ckpt")
     result = run(SCRIPT, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb")
     assert result.returncode == 0, result.output
     assert f"resumed from {ckpt_dir / f'step-{HALF:06d}'} at step {HALF}" in result.output, result.output
@@ -105,25 +106,10 @@ def test_checkpoint_of_two_rows_resumes_on_two_processes(trained, two_by_two, tm
 
 
 def test_bf16_trains_close_to_fp32(halfway, tmp_path):
-    """bf16 computation over fp32 state, as in fsdp.py: the loss follows fp32's within bf16's rounding, and the
-    gradients that reach clipping, the weights and AdamW's state are fp32."""
-    (tmp_path / "site").mkdir()
-    (tmp_path / "dtypes").mkdir()
-    env = {**injected(tmp_path / "site", RECORD_DTYPES), "DTYPE_DIR": str(tmp_path / "dtypes")}
-    result = run(SCRIPT, *TINY, "--max-steps", HALF, "--lr-decay-steps", STEPS, "--precision", "bf16",
-                 "--log-dir", tmp_path / "tb", env=env)
-    assert result.returncode == 0, result.output
-    assert not WARNING.search(result.output), result.output
-    bf16, fp32 = scalars(tmp_path / "tb"), scalars(halfway[SCRIPT].log_dir)
-    gaps = [abs(bf16["train/loss"][step] - fp32["train/loss"][step]) for step in fp32["train/loss"]]
-    print(f"bf16 against fp32: largest train-loss gap {max(gaps):.3g}")
-    assert 0 < max(gaps) < 0.01, gaps
-    for rank in range(2):
-        records = [json.loads(line) for line in (tmp_path / "dtypes" / f"rank{rank}").read_text().splitlines()]
-        grads, steps = [r for r in records if "grads" in r], [r for r in records if "weights" in r]
-        assert len(grads) == len(steps) == HALF, records
-        assert all(r["grads"] == ["torch.float32"] for r in grads), grads
-        assert all(r["weights"] == r["state"] == ["torch.float32"] for r in steps), steps
+    """bf16 computation over fp32 state, through FSDP's policy as in fsdp.py (with T = N, FSDP's dimension has one
+    process: it only casts): the loss follows fp32's within bf16's rounding, and the gradients that reach clipping,
+    the weights and AdamW's state are fp32."""
+    trained_in_bf16(SCRIPT, halfway, tmp_path)
 
 
 def test_compiled_blocks_train_like_eager(trained, tmp_path):
