@@ -247,8 +247,8 @@ def setup(args):
 def prepare_model(model, args, device, sample, data_info):
     """This rank's stages, each sending activations on and gradients back, and their schedules."""
     stages, num_stages = split_model(model, args, sample)  # this rank's: (s, module, input, output)
-    train_stages, eval_stages = ([PipelineStage(module, s, num_stages, device, inputs, outputs)
-                                  for s, module, inputs, outputs in stages] for _ in range(2))
+    train_stages = [PipelineStage(module, s, num_stages, device, inputs, outputs)
+                    for s, module, inputs, outputs in stages]
     model.to_empty(device=device)  # allocates this rank's stages, uninitialised
     init_weights(model, args.seed)
     if not hasattr(model, "init_tensor"):  # the constructor's values: built whole, ours kept
@@ -268,8 +268,7 @@ def prepare_model(model, args, device, sample, data_info):
         schedule = schedule_class(train_stages, n_microbatches=args.grad_accum, loss_fn=loss_fn)
     except ValueError as error:
         fail(f"--schedule {args.schedule}, --grad-accum {args.grad_accum} micro-batches: {error}")
-    # Evaluation has stages of its own: on torch 2.10 a stage's first pass fixes its inputs' grads.
-    return schedule, ScheduleLoopedBFS(eval_stages, n_microbatches=args.grad_accum), eval_stages
+    return schedule, [(s, module, inputs) for s, module, inputs, _ in stages]  # for evaluate()
 
 def split_model(model, args, sample):
     """Cut the model into stages, runs of blocks: embed()'s modules on the first, output()'s on the
@@ -454,22 +453,31 @@ def weights_are_finite(model):
 # -- evaluation ---------------------------------------------------------------
 
 @torch.no_grad()
-def evaluate(schedule, stages, model, loader, device):
-    """Mean loss and accuracy over every prediction in the loader's samples, from the last stage."""
+def evaluate(stages, model, loader, device, args):
+    """Mean loss and accuracy over every prediction in the loader's samples: forward alone, stage by
+    stage, a micro-batch at a time, whose logits the last stage sums and frees before the next's."""
     model.eval()
-    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    world_size, last = dist.get_world_size(), dist.get_world_size() * args.stages_per_process - 1
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
     for inputs, targets in loader:  # the first stage takes the inputs, the last the targets
-        outputs = schedule.step(*[inputs.to(device, non_blocking=True)] if rank == 0 else [])
-        if rank == last:
-            targets = targets.to(device, non_blocking=True)
-            totals[0] += loss_fn(outputs, targets, reduction="sum")
-            totals[1] += (outputs.argmax(-1) == targets).sum()
-            totals[2] += targets.numel()
+        sent = []  # activations on their way to the next stage, kept until received
+        for s, module, micro_batch in stages:  # this rank's, in order; micro_batch: an input, meta
+            for x, y in zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum)):
+                if s > 0:
+                    x = torch.empty_like(micro_batch, device=device)
+                    dist.recv(x, (s - 1) % world_size)
+                x = module(x.to(device, non_blocking=True))
+                if s < last:
+                    sent.append((x, dist.isend(x, (s + 1) % world_size)))
+                    continue
+                y = y.to(device, non_blocking=True)
+                totals[0] += loss_fn(x, y, reduction="sum")
+                totals[1] += (x.argmax(-1) == y).sum()
+                totals[2] += y.numel()
+        for _, send in sent:
+            send.wait()
     model.train()
-    for stage in stages:
-        stage.clear_runtime_states()  # else the last stage holds a batch of outputs until the next
-    dist.broadcast(totals, src=last)
+    dist.all_reduce(totals)  # the last stage's sums; zeros on the others
     return (totals[:2] / totals[2]).tolist()  # the mean loss, and accuracy
 
 
@@ -555,8 +563,7 @@ def main(args):
     val_set = Subset(val_set, range(val_batches * args.batch_size))
     with torch.device("meta"):  # shapes, no memory: no process ever holds the whole model
         model, config = build_model(args, data_info)
-    schedule, eval_schedule, eval_stages = prepare_model(model, args, device, train_set[0][0],
-                                                         data_info)
+    schedule, stages = prepare_model(model, args, device, train_set[0][0], data_info)
     optimizer = configure_optimizer(model, args)
     extras = {}  # checkpointed beside the model and the optimizer: a loss scaler, say
     log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters on rank 0's {device} | "
@@ -581,8 +588,7 @@ def main(args):
     with SummaryWriter(args.log_dir) if rank == 0 else contextlib.nullcontext() as writer, profiler:
         while True:
             if step % args.eval_every == 0 or step == args.max_steps:
-                val_loss, val_accuracy = evaluate(eval_schedule, eval_stages, model, val_loader,
-                                                  device)
+                val_loss, val_accuracy = evaluate(stages, model, val_loader, device, args)
                 log.info(f"step {step:>5} | val loss {val_loss:.4f} | accuracy {val_accuracy:.4f}")
                 write_scalars(writer, {"val/loss": val_loss, "val/accuracy": val_accuracy}, step)
                 meter.restart(step)

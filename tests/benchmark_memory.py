@@ -1,4 +1,4 @@
-"""What fsdp.py and pipeline.py are for, in figures: what the 56.8M-parameter GPT of tests/test_memory.py adds to the
+"""What fsdp.py, pipeline.py and tensor_parallel.py are for, in figures: what the 56.8M-parameter GPT of tests/test_memory.py adds to the
 peak resident memory of a run's largest process, for 1, 2 and 4 processes; then, on long sequences, what
 --activation-checkpointing saves and costs. Measured as that test measures (glibc told to hand freed blocks back;
 each process's peak less its peak at main()'s first line). A benchmark that prints figures, not a test (pytest does
@@ -37,20 +37,21 @@ def main():
 def memory_table(tmp):
     """The big GPT on 1, 2 and 4 processes: what it adds to the largest process's peak, that less what a small
     model adds (torch, the data, the loop), and what the process held when the model was built."""
-    print(f"{'script':<14} {'processes':>9} {'added, big model':>17} {'less a small one':>17} {'at build':>9}")
-    for script, counts in [("single_gpu.py", [1]), ("fsdp.py", [1, 2, 4]), ("pipeline.py", [1, 2, 4])]:
+    print(f"{'script':<18} {'processes':>9} {'added, big model':>17} {'less a small one':>17} {'at build':>9}")
+    for script, counts in [("single_gpu.py", [1]), ("fsdp.py", [1, 2, 4]), ("pipeline.py", [1, 2, 4]),
+                           ("tensor_parallel.py", [1, 2, 4])]:
         for nproc in counts:
             big, _ = peaks(script, nproc, [*BIG, *FLAGS[script]], tmp)
             small, _ = peaks(script, nproc, [*SMALL, *FLAGS[script]], tmp)
-            print(f"{script:<14} {nproc:>9} {big['end'] / 2**30:>13.3f} GiB {(big['end'] - small['end']) / 2**30:>13.3f}"
+            print(f"{script:<18} {nproc:>9} {big['end'] / 2**30:>13.3f} GiB {(big['end'] - small['end']) / 2**30:>13.3f}"
                   f" GiB {(big['built'] - small['built']) / 2**30:>5.3f} GiB", flush=True)
 
 
 def checkpointing_table(tmp):
     """Long sequences on 2 processes, with and without --activation-checkpointing: peak and throughput."""
     print(f"\n{'config, 2 processes':<54} {'added, largest process':>23} {'tokens/s':>9}")
-    for script in "fsdp.py", "pipeline.py":
-        flags = {"fsdp.py": [], "pipeline.py": ["--grad-accum", "2"]}[script]
+    for script in "fsdp.py", "pipeline.py", "tensor_parallel.py":
+        flags = {"pipeline.py": ["--grad-accum", "2"]}.get(script, [])
         for extra in [], ["--activation-checkpointing"]:
             # Steps 2 to 6: the first holds the start-up.
             memory, output = peaks(script, 2, [*LONG, *flags, *extra, "--max-steps", 6, "--log-every", 2], tmp)

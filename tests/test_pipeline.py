@@ -1,7 +1,9 @@
 """pipeline.py: every schedule reaches single_gpu.py's weights and losses, on one stage per process or two, validation
-through the stages is exact, a checkpoint resumes on another number of stages, compiled and
-recomputed stages train as the plain ones do, and what cannot be split is refused. The parametrized tests
+through the stages is exact and holds one micro-batch's logits at a time, a checkpoint resumes on another number of
+stages, compiled and recomputed stages train as the plain ones do, and what cannot be split is refused. The parametrized tests
 (training, resume, bad input, preemption) run it too."""
+
+import json
 
 import pytest
 import torch
@@ -134,3 +136,40 @@ def test_activation_checkpointing_recomputes_and_gives_the_same_weights(halfway,
     attention = [int((tmp_path / f"attention{rank}").read_text()) for rank in range(2)]
     assert attention == [HALF * 2 * 2] * 2, attention
     assert max_param_diff(load(tmp_path / "ckpt")["model"], load(halfway["pipeline.py"].ckpt_dir)["model"]) == 0
+
+
+# Run in every process: each forward of a Linear whose outputs are the vocabulary's 256 bytes (the head), on real
+# tensors, notes how many of the head's outputs are alive then (held by weak references: only what the process still
+# holds keeps one alive), the most in evaluation (no autograd) and in training; each rank writes its two at exit.
+COUNT_LOGITS = """
+import atexit, json, os, weakref, torch
+alive, most = [], {"evaluation": 0, "training": 0}
+
+def note(module, inputs, output):
+    if isinstance(module, torch.nn.Linear) and output.shape[-1] == 256 and output.device.type != "meta":
+        alive[:] = [ref for ref in alive if ref() is not None] + [weakref.ref(output)]
+        mode = "training" if torch.is_grad_enabled() else "evaluation"
+        most[mode] = max(most[mode], len(alive))
+
+def write():
+    with open(os.path.join(os.environ["COUNT_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(most, f)
+
+torch.nn.modules.module.register_module_forward_hook(note)
+if "RANK" in os.environ:  # a worker, not torchrun's agent
+    atexit.register(write)
+"""
+
+
+def test_evaluation_holds_one_micro_batchs_logits(tmp_path):
+    """The last stage sums each micro-batch's loss and accuracy and lets its logits go before the next micro-batch's
+    (TINY: 2 a batch): it holds one micro-batch's logits at a time, where a forward-only schedule.step() kept all the
+    batch's (torch's schedules cache every micro-batch's output for a backward, and merge them). Training, as torch's
+    1F1B schedule runs it here, holds both micro-batches' at the last stage: evaluation holds half of it."""
+    (tmp_path / "site").mkdir()
+    env = {**injected(tmp_path / "site", COUNT_LOGITS), "COUNT_DIR": str(tmp_path)}
+    result = run("pipeline.py", *TINY, "--max-steps", 4, "--log-dir", tmp_path / "tb", env=env)
+    assert result.returncode == 0, result.output
+    held = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert held[0] == {"evaluation": 0, "training": 0}, held  # the first stage has no head
+    assert held[1] == {"evaluation": 1, "training": 2}, held

@@ -127,11 +127,12 @@ def test_lines_fit_in_100_columns(script):
 # since issue 57's model section holds tensor_parallel.py's plan (the sections every script shares); every other
 # script at most 600 (pipeline.py 619: those, its refusal of micro-batches its schedule cannot run, the buffers a
 # model without init_tensor() keeps outside its state dict, every rank resuming from rank 0's listing of
-# --ckpt-dir, and the plan; tensor_parallel.py 615, issue 57's bound).
+# --ckpt-dir, and the plan: 619; issue 58 allows it 640, for an evaluation of its own that holds a micro-batch's
+# logits at a time); tensor_parallel.py 615, issue 57's bound.
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_is_short_enough_to_read_whole(script):
     lines = len(source(script).splitlines())
-    limits = {"single_gpu.py": 505, "pipeline.py": 619, "tensor_parallel.py": 615}
+    limits = {"single_gpu.py": 505, "pipeline.py": 640, "tensor_parallel.py": 615}
     assert lines <= limits.get(script, 600), f"{script}: {lines} lines"
 
 
