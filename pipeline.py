@@ -319,6 +319,19 @@ def init_weights(model, seed):
             model.init_tensor(name, value, generator)
             tensor.copy_(value)
 
+class StageSamples(Subset):
+    """Samples as a stage uses them: inputs on the first, targets on the last, else empty."""
+
+    def __init__(self, dataset, inputs, targets):
+        super().__init__(dataset, range(len(dataset)))
+        self.used = (inputs, targets)
+
+    def __getitems__(self, indices):  # the loader's call, for a batch
+        if not any(self.used):  # a middle stage: reads nothing
+            return [(torch.empty(0), torch.empty(0))] * len(indices)
+        return [tuple(t if used else torch.empty(0) for t, used in zip(sample, self.used))
+                for sample in super().__getitems__(indices)]
+
 class SkippingSampler(Sampler):
     """Another sampler's order from index `start`: a resumed run skips what its epoch trained on."""
 
@@ -575,11 +588,13 @@ def main(args):
     step = load_checkpoint(checkpoints[-1], model, optimizer, extras, config) if checkpoints else 0
     torch.manual_seed(args.seed + step * world_size + rank)  # dropout: each rank its own masks
     sampler = RandomSampler(train_set, generator=torch.Generator())
-    loader = functools.partial(DataLoader, batch_size=args.batch_size,  # whole, on every rank
+    loader = functools.partial(DataLoader, batch_size=args.batch_size,  # every rank: a whole batch
                                num_workers=args.workers, persistent_workers=args.workers > 0,
                                multiprocessing_context="spawn" if args.workers else None,
                                pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)
-    train_loader, val_loader = loader(train_set, sampler=SkippingSampler(sampler)), loader(val_set)
+    first, last = rank == 0, rank == world_size - 1  # the stages that use inputs, and targets
+    train_loader = loader(StageSamples(train_set, first, last), sampler=SkippingSampler(sampler))
+    val_loader = loader(StageSamples(val_set, first, last))
     meter = Meter(args, data_info, step, train_set[0], world_size, device, "fp32")
     profiler, signals_received = start_profiler(args, rank), catch_stop_signals()
     last_save = batches = None

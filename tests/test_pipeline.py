@@ -1,7 +1,7 @@
 """pipeline.py: every schedule reaches single_gpu.py's weights and losses, on one stage per process or two, validation
-through the stages is exact and holds one micro-batch's logits at a time, a checkpoint resumes on another number of
-stages, compiled and recomputed stages train as the plain ones do, and what cannot be split is refused. The parametrized tests
-(training, resume, bad input, preemption) run it too."""
+through the stages is exact and holds one micro-batch's logits at a time, each stage loads only what it uses, a
+checkpoint resumes on another number of stages, compiled and recomputed stages train as the plain ones do, and what
+cannot be split is refused. The parametrized tests (training, resume, bad input, preemption) run it too."""
 
 import json
 
@@ -173,3 +173,48 @@ def test_evaluation_holds_one_micro_batchs_logits(tmp_path):
     held = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert held[0] == {"evaluation": 0, "training": 0}, held  # the first stage has no head
     assert held[1] == {"evaluation": 1, "training": 2}, held
+
+
+# Run in every process: the shapes of each batch its loaders collate, and how many samples it read from the training
+# set (the Subset over range(0, ...) of the dataset itself, as tests/test_training.py counts them), written at exit.
+RECORD_BATCHES = """
+import atexit, json, os, torch
+import torch.utils.data._utils.collate as collate
+from torch.utils.data import Subset
+shapes, read, collated, getitems = set(), [0], collate.default_collate, Subset.__getitems__
+
+def recording_collate(batch):
+    result = collated(batch)
+    shapes.add(tuple(tuple(t.shape) for t in result))
+    return result
+
+def counting_getitems(self, indices):
+    if isinstance(self.indices, range) and self.indices.start == 0 and not isinstance(self.dataset, Subset):
+        read[0] += len(indices)
+    return getitems(self, indices)
+
+def write():
+    with open(os.path.join(os.environ["RECORD_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"shapes": sorted(shapes), "read": read[0]}, f)
+
+collate.default_collate, Subset.__getitems__ = recording_collate, counting_getitems
+if "RANK" in os.environ:  # a worker, not torchrun's agent
+    atexit.register(write)
+"""
+
+
+def test_each_stage_loads_only_what_it_uses(tmp_path):
+    """3 stages (a block each; 4 micro-batches, as 1F1B needs): the first stage's batches hold the inputs alone, the
+    last's the targets alone, and the middle stage's nothing, read from no sample; in training and in evaluation
+    (batches of TINY's 8 sequences of 16 bytes). tests/test_training.py holds the 2-stage runs to single_gpu.py's
+    numbers, and their resume to the uninterrupted run, fetching no sample twice."""
+    (tmp_path / "site").mkdir()
+    env = {**injected(tmp_path / "site", RECORD_BATCHES), "RECORD_DIR": str(tmp_path)}
+    result = run("pipeline.py", *TINY, "--n-layers", 3, "--grad-accum", 4, "--max-steps", 2, "--log-dir", tmp_path / "tb",
+                 nproc=3,
+                 env=env)
+    assert result.returncode == 0, result.output
+    assert "stage 1 (rank 1): blocks.1\n" in result.output, result.output
+    held = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
+    assert [rank["shapes"] for rank in held] == [[[[8, 16], [8, 0]]], [[[8, 0], [8, 0]]], [[[8, 0], [8, 16]]]], held
+    assert [rank["read"] for rank in held] == [16, 0, 16], held  # 2 steps of 8

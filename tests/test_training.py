@@ -179,12 +179,12 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     assert "from this run's flags" not in output, output
     assert checkpoints(ckpt_dir) == [ckpt_dir / f"step-{STEPS:06d}"]  # step 8's went: --keep-checkpoints 1
     # Step 8 is 8 steps into an epoch of 10: those 8 steps' samples are skipped by index, never fetched. The run
-    # fetches what steps 9 to 16 train on, 8 samples a step (every stage of pipeline.py loads whole batches), and a
+    # fetches what steps 9 to 16 train on, 8 samples a step (each of pipeline.py's 2 stages its half of each), and a
     # worker what it prefetches past that: per rank, each of the 2 epochs' last, partial batch of 2 samples, and at
     # most 2 batches of 4 at the end (12 samples on this machine): at most 2 x (2 x 2 + 2 x 4) = 24.
     fetches, trained_on = (tmp_path / "fetches").read_text().split(), (STEPS - HALF) * 8
     fetched = len(fetches)
-    if script in ("pipeline.py", "tensor_parallel.py"):  # each of 2 ranks: the whole batch
+    if script in ("pipeline.py", "tensor_parallel.py"):  # each of 2 ranks reads every sample
         trained_on *= 2
     print(f"\n{script} --workers {workers}: resumed at step {HALF}, fetched {fetched} samples to train on {trained_on}")
     assert fetched == trained_on if workers == 0 else trained_on <= fetched <= trained_on + 24
