@@ -4,7 +4,7 @@ peak resident memory of a run's largest process, for 1, 2 and 4 processes; then,
 each process's peak less its peak at main()'s first line). A benchmark that prints figures, not a test (pytest does
 not collect it).
 
-    python tests/benchmark_memory.py                          # both tables: about 6 minutes on 2 idle cores
+    python tests/benchmark_memory.py                          # both tables: about 10 minutes on 2 idle cores
     python tests/benchmark_memory.py --tables checkpointing   # the second alone: about 2 minutes of 2 idle cores
 """
 
