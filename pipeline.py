@@ -474,10 +474,10 @@ def evaluate(stages, model, loader, device, args):
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
     for inputs, targets in loader:  # the first stage takes the inputs, the last the targets
         sent = []  # activations on their way to the next stage, kept until received
-        for s, module, micro_batch in stages:  # this rank's, in order; micro_batch: an input, meta
+        for s, module, meta_input in stages:  # this rank's, in order; meta_input: a micro-batch's
             for x, y in zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum)):
                 if s > 0:
-                    x = torch.empty_like(micro_batch, device=device)
+                    x = torch.empty_like(meta_input, device=device)
                     dist.recv(x, (s - 1) % world_size)
                 x = module(x.to(device, non_blocking=True))
                 if s < last:
@@ -588,7 +588,7 @@ def main(args):
     step = load_checkpoint(checkpoints[-1], model, optimizer, extras, config) if checkpoints else 0
     torch.manual_seed(args.seed + step * world_size + rank)  # dropout: each rank its own masks
     sampler = RandomSampler(train_set, generator=torch.Generator())
-    loader = functools.partial(DataLoader, batch_size=args.batch_size,  # every rank: a whole batch
+    loader = functools.partial(DataLoader, batch_size=args.batch_size,  # each rank: whole batches
                                num_workers=args.workers, persistent_workers=args.workers > 0,
                                multiprocessing_context="spawn" if args.workers else None,
                                pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)

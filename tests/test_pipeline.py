@@ -164,15 +164,16 @@ if "RANK" in os.environ:  # a worker, not torchrun's agent
 def test_evaluation_holds_one_micro_batchs_logits(tmp_path):
     """The last stage sums each micro-batch's loss and accuracy and lets its logits go before the next micro-batch's
     (TINY: 2 a batch): it holds one micro-batch's logits at a time, where a forward-only schedule.step() kept all the
-    batch's (torch's schedules cache every micro-batch's output for a backward, and merge them). Training, as torch's
-    1F1B schedule runs it here, holds both micro-batches' at the last stage: evaluation holds half of it."""
+    batch's (torch's schedules cache every micro-batch's output for a backward, and merge them). Training holds at
+    least as many (torch 2.13's 1F1B: both micro-batches', seen)."""
     (tmp_path / "site").mkdir()
     env = {**injected(tmp_path / "site", COUNT_LOGITS), "COUNT_DIR": str(tmp_path)}
     result = run("pipeline.py", *TINY, "--max-steps", 4, "--log-dir", tmp_path / "tb", env=env)
     assert result.returncode == 0, result.output
     held = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert held[0] == {"evaluation": 0, "training": 0}, held  # the first stage has no head
-    assert held[1] == {"evaluation": 1, "training": 2}, held
+    print(f"\nthe last stage's logits held at once: {held[1]}")
+    assert held[1]["evaluation"] == 1 <= held[1]["training"], held
 
 
 # Run in every process: the shapes of each batch its loaders collate, and how many samples it read from the training
