@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from conftest import FP32, ROOT, SCRIPTS, WARNING, injected, load, max_param_diff, run, scalars
+from conftest import FP32, ROOT, SCRIPTS, WARNING, error_lines, injected, load, max_param_diff, run, scalars
 
 # The replacement sections, written once for every script: all that main() needs from them is add_data_args,
 # build_datasets, add_model_args, build_model, loss_fn, and the model's optional init_tensor, embed, blocks, output.
@@ -317,7 +317,7 @@ def test_pipeline_refuses_a_model_without_the_pieces(tmp_path):
     path = with_model("pipeline.py", tmp_path, "resnet without pieces")
     result = run(path, *FLAGS, "--max-steps", 4, "--log-dir", tmp_path / "tb")
     assert result.returncode != 0, result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("pipeline.py: error: ")]
+    errors = error_lines("pipeline.py", result.output)
     assert errors and all(line == errors[0] for line in errors), result.output
     assert "ResNet lacks embed(), a ModuleDict named blocks, or output()" in errors[0], errors
     assert 'pipeline.py", line' not in result.output, result.output  # no traceback of the script's own
@@ -329,7 +329,7 @@ def test_tensor_parallel_refuses_a_model_without_a_plan(tmp_path):
     path = with_model("tensor_parallel.py", tmp_path, "convnet")
     result = run(path, *FLAGS, "--max-steps", 4, "--log-dir", tmp_path / "tb")
     assert result.returncode != 0, result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("tensor_parallel.py: error: ")]
+    errors = error_lines("tensor_parallel.py", result.output)  # two ranks' lines can meet on one
     assert len(errors) == 2 and all(line == errors[0] for line in errors), result.output
     assert "the model has no tensor_plan: say how to split each layer, as GPT's does" in errors[0], errors
     assert 'tensor_parallel.py", line' not in result.output, result.output
