@@ -29,6 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleLoopedBFS)
 from torch.utils.checkpoint import checkpoint
@@ -86,6 +89,8 @@ def parse_args():
     parser.set_defaults(grad_accum=8)  # micro-batches: they keep the stages busy
     add_flag("--schedule", choices=["gpipe", "1f1b", "zero-bubble"], default="1f1b", help="order")
     add_flag("--stages-per-process", type=number(int), default=1, help="stages each, in turn")
+    add_flag("--replicate", type=number(int), default=1, help="R pipelines, a stage sharded on R")
+    add_flag("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="for compute")
     add_flag("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     add_flag("--timeout", type=number(float), default=300, help="seconds to wait for a stuck rank")
     add_flag("--local-rank", "--local_rank", help=argparse.SUPPRESS)  # torch.distributed.launch's
@@ -244,38 +249,52 @@ def setup(args):
                         level=logging.INFO if dist.get_rank() == 0 else logging.WARNING)
     return device, dist.get_rank(), dist.get_world_size()
 
-def prepare_model(model, args, device, sample, data_info):
-    """This rank's stages, each sending activations on and gradients back, and their schedules."""
-    stages, num_stages = split_model(model, args, sample)  # this rank's: (s, module, input, output)
-    train_stages = [PipelineStage(module, s, num_stages, device, inputs, outputs)
+def prepare_model(model, args, device, sample, data_info, scaler):
+    """This rank's stages, each sharded over its replicas, and the schedule that runs them."""
+    n, r = dist.get_world_size(), args.replicate  # --replicate R: R pipelines of N/R processes
+    if n % r:
+        fail(f"--replicate {r} does not divide {n} processes evenly")
+    # Row i: the R replicas of pipeline rank i (a node's, if R divides it); column j: pipeline j.
+    timeout, grid = datetime.timedelta(seconds=args.timeout), torch.arange(n).view(n // r, r)
+    replicas, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)
+    pipeline, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=timeout)
+    stages, num_stages = split_model(model, args, sample, pipeline)  # (s, module, input, output)
+    for block in model.blocks.children() if args.activation_checkpointing else []:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    for _, module, _, _ in stages if args.compile else []:  # in place: the state dict keeps names
+        module.compile()
+    # 16 bits: weights gathered and computed in 16 bits; gradients, AdamW, activations sent: fp32.
+    param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    policy = MixedPrecisionPolicy(param_dtype, torch.float32, output_dtype=torch.float32)
+    mesh = DeviceMesh.from_group(replicas, device.type, mesh_dim_names=("shard",))  # its replicas
+    train_stages = [PipelineStage(fully_shard(module, mesh=mesh, mp_policy=policy), s, num_stages,
+                                  device, inputs, outputs, group=pipeline)
                     for s, module, inputs, outputs in stages]
-    model.to_empty(device=device)  # allocates this rank's stages, uninitialised
+    model.to_empty(device=device)  # allocates this rank's shards, uninitialised
     init_weights(model, args.seed)
     if not hasattr(model, "init_tensor"):  # the constructor's values: built whole, ours kept
         whole = build_model(args, data_info)[0]
-        model.load_state_dict(whole.state_dict(), strict=False)
+        set_state_dict(model, [], model_state_dict=whole.state_dict(), optim_state_dict={},
+                       options=StateDictOptions(full_state_dict=True, strict=False))
         for name, buffer in model.named_buffers():  # and those a state dict leaves out
             buffer.copy_(whole.get_buffer(name))
-    for block in model.blocks.children() if args.activation_checkpointing else []:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    for stage in train_stages if args.compile else []:  # in place: the state dict keeps its names
-        stage.submod.compile()
     schedule_class = {"gpipe": ScheduleLoopedBFS, "1f1b": ScheduleInterleaved1F1B,
                       "zero-bubble": ScheduleInterleavedZeroBubble}[args.schedule]  # V per process
     if args.schedule == "1f1b" and args.stages_per_process == 1:  # interleaved: more in flight
         schedule_class, train_stages = Schedule1F1B, train_stages[0]
+    scaled = lambda logits, targets: scaler.scale(loss_fn(logits, targets))  # fp16: backward's
     try:  # torch refuses too few micro-batches for the stages, or a number its rounds do not divide
-        schedule = schedule_class(train_stages, n_microbatches=args.grad_accum, loss_fn=loss_fn)
+        schedule = schedule_class(train_stages, n_microbatches=args.grad_accum, loss_fn=scaled)
     except ValueError as error:
         fail(f"--schedule {args.schedule}, --grad-accum {args.grad_accum} micro-batches: {error}")
     return schedule, [(s, module, inputs) for s, module, inputs, _ in stages]  # for evaluate()
 
-def split_model(model, args, sample):
+def split_model(model, args, sample, group):
     """Cut the model into stages, runs of blocks: embed()'s modules on the first, output()'s on the
     last; delete the other ranks'. Returns this rank's, with a micro-batch's inputs and outputs."""
     if not all(hasattr(model, part) for part in ("embed", "blocks", "output")):
         fail(f"{type(model).__name__} lacks embed(), a ModuleDict named blocks, or output()")
-    rank, world_size, stages = dist.get_rank(), dist.get_world_size(), []
+    rank, world_size, stages = dist.get_rank(group), dist.get_world_size(group), []
     if args.stages_per_process > 1 and world_size == 1:  # one process has no bubble to shrink
         fail(f"--stages-per-process {args.stages_per_process} is for several processes")
     num_stages = world_size * args.stages_per_process
@@ -290,10 +309,11 @@ def split_model(model, args, sample):
     held = sum(len(list(model.get_submodule(name).parameters())) for part in parts for name in part)
     if held != len(list(model.parameters())):
         fail("a parameter belongs to two modules (tied weights) or to none: stages cannot share it")
-    x = sample.new_empty((args.batch_size // args.grad_accum, *sample.shape), device="meta")
+    micro_batch_size = args.batch_size // (args.replicate * args.grad_accum)
+    x = sample.new_empty((micro_batch_size, *sample.shape), device="meta")
     for s, part in enumerate(parts):
         log.info(f"stage {s} (rank {s % world_size}): {', '.join(part)}")
-        module = nn.ModuleList(model.get_submodule(name) for name in part)  # registers its modules
+        module = nn.Sequential(*map(model.get_submodule, part))  # its modules; forward() replaced:
         blocks = [model.get_submodule(name) for name in part if name.startswith("blocks.")]
         module.forward = functools.partial(run_stage, model, blocks, s == 0, s == num_stages - 1)
         inputs, x = x, module(x)  # on the meta device, with autograd: shapes, and which need grads
@@ -317,16 +337,26 @@ def init_weights(model, seed):
             value = torch.empty(tensor.shape, dtype=tensor.dtype)
             generator = torch.Generator().manual_seed(zlib.crc32(f"{seed} {name}".encode()))
             model.init_tensor(name, value, generator)
+            if isinstance(tensor, DTensor):  # a shard: cut on the host, so no GPU holds the whole
+                mesh = tensor.device_mesh  # its twin on the CPU, of the same groups: no collective
+                on_host = DeviceMesh.from_group(mesh.get_all_groups(), "cpu", mesh.mesh,
+                                                mesh_dim_names=mesh.mesh_dim_names)
+                value = distribute_tensor(value, on_host, tensor.placements, src_data_rank=None)
+                tensor, value = tensor.to_local(), value.to_local()
             tensor.copy_(value)
 
 class StageSamples(Subset):
-    """Samples as a stage uses them: inputs on the first, targets on the last, else empty."""
+    """Samples as this rank's stage uses them: inputs on the first, targets on the last, else
+    empty; of each batch, its pipeline's share (pipeline r of R: the samples r, r + R...)."""
 
-    def __init__(self, dataset, inputs, targets):
+    def __init__(self, dataset, replicas):  # rank i: pipeline i mod R's, its process i // R
         super().__init__(dataset, range(len(dataset)))
-        self.used = (inputs, targets)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        self.used = (rank < replicas, rank >= world_size - replicas)  # inputs, targets
+        self.share = slice(rank % replicas, None, replicas)
 
     def __getitems__(self, indices):  # the loader's call, for a batch
+        indices = indices[self.share]
         if not any(self.used):  # a middle stage: reads nothing
             return [(torch.empty(0), torch.empty(0))] * len(indices)
         return [tuple(t if used else torch.empty(0) for t, used in zip(sample, self.used))
@@ -436,30 +466,34 @@ def lr_factor(step, args):
     progress = min(1.0, (step - args.warmup_steps) / decay_steps)
     return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
-def train_step(schedule, model, optimizer, step, batches, args, device):
+def train_step(schedule, model, optimizer, step, scaler, batches, args, device):
     """Optimizer step `step` over --grad-accum micro-batches: the mean loss (a tensor), the lr."""
-    total_loss = torch.zeros((), device=device)  # .item() waits for the GPU: logging steps alone
     inputs, targets = next(batches)
-    rank, last, losses = dist.get_rank(), dist.get_world_size() - 1, []
-    # The schedule cuts micro-batches, fills `losses` on the last stage, and averages gradients.
-    schedule.step(*[inputs.to(device, non_blocking=True)] if rank == 0 else [],
-                  target=targets.to(device, non_blocking=True) if rank == last else None,
+    rank, last, losses = dist.get_rank(), dist.get_world_size() - args.replicate, []  # R a stage
+    # The schedule cuts micro-batches, fills `losses` on the last stage, averages the gradients.
+    schedule.step(*[inputs.to(device, non_blocking=True)] if rank < args.replicate else [],
+                  target=targets.to(device, non_blocking=True) if rank >= last else None,
                   losses=losses, return_outputs=False)
-    total_loss += sum(loss.detach() for loss in losses) / args.grad_accum
+    scale = scaler.scale(torch.ones((), device=device))  # fp16's (the losses'), else 1: all stages
+    total_loss = sum(loss.detach() for loss in losses) / scale / args.grad_accum  # on the device
+    scaler.unscale_(optimizer)  # the true gradients, to clip
+    for found in scaler._found_inf_per_device(optimizer).values() if scaler.is_enabled() else []:
+        dist.all_reduce(found, dist.ReduceOp.MAX)  # fp16: an inf on one stage skips all (private)
     if args.grad_clip:  # each stage holds some gradients: the whole model's norm adds their squares
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) ** 2
+        norm = torch.nn.utils.get_total_norm(grads).full_tensor() ** 2 / args.replicate  # R a stage
         dist.all_reduce(norm)
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip, norm.sqrt())
     for group in optimizer.param_groups:  # from the step and the flags: a resume follows its own
         group["lr"] = group["initial_lr"] * lr_factor(step, args)
-    optimizer.step()
+    scaler.step(optimizer)  # fp16: skipped if a gradient is inf or NaN
+    scaler.update()  # fp16: halves the scale after a skip, doubles it after 2000 steps without
     optimizer.zero_grad(set_to_none=True)
     return total_loss, optimizer.param_groups[0]["lr"]  # the loss: zero but on the last stage
 
 def weights_are_finite(model):
-    finite = torch.stack([p.isfinite().all() for p in model.parameters()]).all().int()
-    dist.all_reduce(finite, dist.ReduceOp.MIN)  # this rank's stages, then every rank's
+    finite = torch.stack([p.to_local().isfinite().all() for p in model.parameters()]).all().int()
+    dist.all_reduce(finite, dist.ReduceOp.MIN)  # this rank's shards, then every rank's
     return bool(finite)
 
 
@@ -470,7 +504,8 @@ def evaluate(stages, model, loader, device, args):
     """Mean loss and accuracy over every prediction in the loader's samples: forward alone, stage by
     stage, a micro-batch at a time, whose logits the last stage sums and frees before the next's."""
     model.eval()
-    world_size, last = dist.get_world_size(), dist.get_world_size() * args.stages_per_process - 1
+    rank, world_size, r = dist.get_rank(), dist.get_world_size(), args.replicate  # R a stage
+    last = world_size // r * args.stages_per_process - 1
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
     for inputs, targets in loader:  # the first stage takes the inputs, the last the targets
         sent = []  # activations on their way to the next stage, kept until received
@@ -478,10 +513,10 @@ def evaluate(stages, model, loader, device, args):
             for x, y in zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum)):
                 if s > 0:
                     x = torch.empty_like(meta_input, device=device)
-                    dist.recv(x, (s - 1) % world_size)
+                    dist.recv(x, (rank - r) % world_size)  # from its pipeline's previous
                 x = module(x.to(device, non_blocking=True))
                 if s < last:
-                    sent.append((x, dist.isend(x, (s + 1) % world_size)))
+                    sent.append((x, dist.isend(x, (rank + r) % world_size)))
                     continue
                 y = y.to(device, non_blocking=True)
                 totals[0] += loss_fn(x, y, reduction="sum")
@@ -490,7 +525,7 @@ def evaluate(stages, model, loader, device, args):
         for _, send in sent:
             send.wait()
     model.train()
-    dist.all_reduce(totals)  # the last stage's sums; zeros on the others
+    dist.all_reduce(totals)  # the last stages' sums; zeros on the others
     return (totals[:2] / totals[2]).tolist()  # the mean loss, and accuracy
 
 
@@ -564,8 +599,9 @@ def load_checkpoint(path, model, optimizer, extras, config):
 
 def main(args):
     device, rank, world_size = setup(args)
-    if args.batch_size % args.grad_accum:
-        fail(f"--batch-size {args.batch_size} does not divide into --grad-accum {args.grad_accum}")
+    if args.batch_size % (args.replicate * args.grad_accum):
+        fail(f"--batch-size {args.batch_size} does not divide into {args.replicate} pipelines x "
+             f"--grad-accum {args.grad_accum}")
     if args.compile and args.schedule == "zero-bubble":  # it splits each backward in two
         fail("--compile and --schedule zero-bubble do not mix: a compiled backward cannot be split")
     train_set, val_set, data_info = build_datasets(args)
@@ -576,12 +612,14 @@ def main(args):
     val_set = Subset(val_set, range(val_batches * args.batch_size))
     with torch.device("meta"):  # shapes, no memory: no process ever holds the whole model
         model, config = build_model(args, data_info)
-    schedule, stages = prepare_model(model, args, device, train_set[0][0], data_info)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+    schedule, stages = prepare_model(model, args, device, train_set[0][0], data_info, scaler)
     optimizer = configure_optimizer(model, args)
-    extras = {}  # checkpointed beside the model and the optimizer: a loss scaler, say
+    extras = {"scaler": scaler}  # checkpointed beside the model and the optimizer
     log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters on rank 0's {device} | "
-             f"global batch {args.batch_size} = {args.grad_accum} micro-batches of "
-             f"{args.batch_size // args.grad_accum} | {type(schedule).__name__}")
+             f"global batch {args.batch_size} = {args.replicate} x {args.grad_accum} micro-batches "
+             f"of {args.batch_size // (args.replicate * args.grad_accum)} | "
+             f"{type(schedule).__name__}")
     from_rank_0 = [args.ckpt_dir and complete_checkpoints(args.ckpt_dir)]  # the newest resumes
     dist.broadcast_object_list(from_rank_0)  # rank 0's list for all: another node's view can lag
     checkpoints = from_rank_0[0]
@@ -592,10 +630,9 @@ def main(args):
                                num_workers=args.workers, persistent_workers=args.workers > 0,
                                multiprocessing_context="spawn" if args.workers else None,
                                pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)
-    first, last = rank == 0, rank == world_size - 1  # the stages that use inputs, and targets
-    train_loader = loader(StageSamples(train_set, first, last), sampler=SkippingSampler(sampler))
-    val_loader = loader(StageSamples(val_set, first, last))
-    meter = Meter(args, data_info, step, train_set[0], world_size, device, "fp32")
+    train_loader = loader(StageSamples(train_set, args.replicate), sampler=SkippingSampler(sampler))
+    val_loader = loader(StageSamples(val_set, args.replicate))
+    meter = Meter(args, data_info, step, train_set[0], world_size, device, args.precision)
     profiler, signals_received = start_profiler(args, rank), catch_stop_signals()
     last_save = batches = None
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -613,15 +650,15 @@ def main(args):
                 sampler.generator.manual_seed(args.seed + step // steps_per_epoch)  # epoch's order
                 train_loader.sampler.start = step % steps_per_epoch * args.batch_size
                 batches = iter(train_loader)
-            loss, lr = train_step(schedule, model, optimizer, step, batches, args, device)
+            loss, lr = train_step(schedule, model, optimizer, step, scaler, batches, args, device)
             step += 1
             if args.profile:
                 profiler.step()
             voting = step % args.log_every == 0 and step < args.max_steps  # at logging steps alone
             stop = stop_vote(signals_received) if voting else 0
             if step % args.log_every == 0 or step == args.max_steps:
-                dist.broadcast(loss, src=world_size - 1)  # the last stage's
-                write_scalars(writer, meter.log(step, loss.item(), lr), step)
+                dist.all_reduce(loss)  # the last stages' sum, one for each pipeline
+                write_scalars(writer, meter.log(step, loss.item() / args.replicate, lr), step)
             if args.ckpt_dir and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
                 last_save = save_checkpoint(model, optimizer, extras, step, config, args, last_save,
                                             save_group)

@@ -1,6 +1,6 @@
-"""ddp_amp.py, and fsdp.py and tensor_parallel.py in fp16: mixed precision close to fp32, a loss scaler that skips an overflowing step on
-every rank without moving anything, exact resumes with the scale included, and checkpoints that move to and from
-ddp_torchrun.py."""
+"""ddp_amp.py, and fsdp.py, tensor_parallel.py and pipeline.py in fp16: mixed precision close to fp32, a loss scaler
+that skips an overflowing step on every rank without moving anything, exact resumes with the scale included, and
+checkpoints that move to and from ddp_torchrun.py."""
 
 import shutil
 
@@ -21,7 +21,8 @@ OVERFLOW_STEP = 2
 # Run in every process of a run. Under DDP, rank 1's first micro-batch of step OVERFLOW_STEP has its loss scaled
 # by inf (its gradients turn inf and NaN, and DDP's all-reduce carries them to every rank). Under FSDP, where each
 # rank holds a shard of the gradients, an inf is written into rank 1's shard of the first parameter alone, after
-# the reduce-scatter: rank 0's own shards stay finite, and it must skip the step all the same. After each step's
+# the reduce-scatter: rank 0's own shards stay finite, and it must skip the step all the same. In pipeline.py rank
+# 1 is the last stage: the inf is on one stage alone, and the first must skip too. After each step's
 # scaler.update(), each process saves its weights, AdamW's state (its shards, under FSDP) and scale to SNAPSHOT_DIR.
 OVERFLOW = """
 import os, torch
@@ -60,7 +61,7 @@ GradScaler.step, GradScaler.update = noting_step, snapshotting_update
 """
 # Each script's fp16, and where its overflow is injected.
 FP16 = {"ddp_amp.py": ("loss", "ddp_torchrun.py"), "fsdp.py": ("shard", "fsdp.py"),
-        "tensor_parallel.py": ("shard", "tensor_parallel.py")}
+        "tensor_parallel.py": ("shard", "tensor_parallel.py"), "pipeline.py": ("shard", "pipeline.py")}
 
 
 def final_loss(log_dir):
@@ -76,19 +77,24 @@ def fp16(request, tmp_path_factory):
     return request.param, result, out / "tb"
 
 
-@pytest.fixture(scope="module", params=FP16)
+# And pipeline.py on 2 pipelines of 2 stages: rank 1 is then stage 0's second replica, whose inf its replica sees
+# too (through the DTensor gradients' own check), so two ranks of four find one, and every rank must skip alike.
+@pytest.fixture(scope="module", params=[*FP16, "pipeline.py --replicate 2"])
 def overflowed(request, tmp_path_factory):
     """The script with --precision fp16 for STEPS steps whose step OVERFLOW_STEP overflows on rank 1, with a
-    snapshot of each rank's training state after every step, and its checkpoints at HALF and STEPS kept."""
+    snapshot of each rank's training state after every step, and its checkpoints at HALF and STEPS kept. Returns
+    the script, its other flags, its number of processes and the run's directory."""
+    script, *flags = request.param.split()
+    nproc = 4 if flags else 2
     out = tmp_path_factory.mktemp("overflowed")
     (out / "site").mkdir()
     (out / "snapshots").mkdir()
     env = {**injected(out / "site", OVERFLOW), "OVERFLOW_STEP": str(OVERFLOW_STEP),
-           "OVERFLOW_IN": FP16[request.param][0], "SNAPSHOT_DIR": str(out / "snapshots")}
-    result = run(request.param, *TINY, "--max-steps", STEPS, "--precision", "fp16", "--keep-checkpoints", 2,
-                 "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb", env=env)
+           "OVERFLOW_IN": FP16[script][0], "SNAPSHOT_DIR": str(out / "snapshots")}
+    result = run(script, *TINY, *flags, "--max-steps", STEPS, "--precision", "fp16", "--keep-checkpoints", 2,
+                 "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb", env=env, nproc=nproc, timeout=300)
     assert result.returncode == 0, result.output
-    return request.param, out
+    return script, flags, nproc, out
 
 
 def test_bf16_close_to_fp32(trained):
@@ -116,16 +122,16 @@ def test_an_overflowing_step_changes_nothing_and_halves_the_scale(overflowed):
     """One rank's inf is every rank's: every rank skips the step, with every weight and every AdamW moment and
     step count as they were (under FSDP each rank's own shards, and rank 0's gradients were finite), the scale
     halves on every rank, and the next step trains again."""
-    script, out = overflowed
+    script, _, nproc, out = overflowed
     snapshots = {(rank, step): torch.load(out / "snapshots" / f"rank{rank}-step{step}.pt", weights_only=True)
-                 for rank in range(2) for step in range(OVERFLOW_STEP - 1, OVERFLOW_STEP + 2)}
+                 for rank in range(nproc) for step in range(OVERFLOW_STEP - 1, OVERFLOW_STEP + 2)}
 
     def same(a, b, what):
         if what == "adamw":
             return all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
         return all(torch.equal(x, y) for x, y in zip(a, b))
 
-    for rank in range(2):
+    for rank in range(nproc):
         before, skipped, after = (snapshots[rank, step] for step in range(OVERFLOW_STEP - 1, OVERFLOW_STEP + 2))
         assert before["adamw"][0], "AdamW has no state to keep before the overflow"
         for what in "weights", "adamw":
@@ -140,11 +146,11 @@ def test_an_overflowing_step_changes_nothing_and_halves_the_scale(overflowed):
 def test_resume_matches_an_uninterrupted_run_bit_for_bit(overflowed, tmp_path):
     """Resumed from the overflowed run's step HALF, fp16 ends with its weights, AdamW state, schedule and loss
     scaler (halved before HALF, where a fresh scaler would start at 2^16 again), bit for bit."""
-    script, out = overflowed
+    script, flags, nproc, out = overflowed
     ckpt_dir = tmp_path / "ckpt"
     shutil.copytree(out / "ckpt" / f"step-{HALF:06d}", ckpt_dir / f"step-{HALF:06d}")
-    result = run(script, *TINY, "--max-steps", STEPS, "--precision", "fp16", "--ckpt-dir", ckpt_dir,
-                 "--log-dir", tmp_path / "tb")
+    result = run(script, *TINY, *flags, "--max-steps", STEPS, "--precision", "fp16", "--ckpt-dir", ckpt_dir,
+                 "--log-dir", tmp_path / "tb", nproc=nproc, timeout=300)
     assert result.returncode == 0, result.output
     assert f"resumed from {ckpt_dir / f'step-{HALF:06d}'} at step {HALF}" in result.output, result.output
 

@@ -94,7 +94,7 @@ def test_heads_must_divide_the_width(monkeypatch):
 @pytest.mark.parametrize("script, batch, message", [
     ("single_gpu.py", 7, "--batch-size 7 does not divide into 1 processes x --grad-accum 2"),
     ("ddp_torchrun.py", 6, "--batch-size 6 does not divide into 2 processes x --grad-accum 2"),
-    ("pipeline.py", 7, "--batch-size 7 does not divide into --grad-accum 2"),
+    ("pipeline.py", 7, "--batch-size 7 does not divide into 1 pipelines x --grad-accum 2"),
 ])
 def test_batch_size_must_split_evenly(script, batch, message):
     fails_cleanly(script, ["--batch-size", batch], message)

@@ -44,7 +44,8 @@ LOSS_DROP = 1.0
 CONFIGS = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py --workers 2", "ddp_torchrun.py",
            "ddp_amp.py --precision bf16", "ddp_amp.py --precision fp16", "fsdp.py",
            "fsdp.py --precision bf16 --activation-checkpointing", "pipeline.py --schedule gpipe",
-           "pipeline.py --schedule 1f1b --activation-checkpointing", "tensor_parallel.py",
+           "pipeline.py --schedule 1f1b --activation-checkpointing", "pipeline.py --precision bf16",
+           "tensor_parallel.py",
            "tensor_parallel.py --precision bf16"]
 COMPILED = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py",
             "tensor_parallel.py"]

@@ -95,7 +95,7 @@ def test_four_processes_each_hold_a_fraction_and_never_the_whole_model(single_gp
     gradients and AdamW state, and the activations of fewer samples; seen: 30-32% in fsdp.py, 23-24% in
     pipeline.py, 30% in tensor_parallel.py). Building: when the optimizer is built, just after the model was built,
     placed and given its initial values, nearer the process's share of the weights than the whole model (seen:
-    0.06-0.08 GiB in fsdp.py, 0.04-0.05 in pipeline.py, 0.10 in tensor_parallel.py, against a share of 0.054 and a
+    0.06-0.08 GiB in fsdp.py, 0.06 in pipeline.py, 0.10 in tensor_parallel.py, against a share of 0.054 and a
     whole of 0.212): a process that built the whole model first would hold all of it beside the group's and the
     allocator's few MiB, which vary from run to run."""
     (big, small), (cost, _) = single_gpu, peaks(script, 4, [*BIG, *FLAGS[script]], tmp_path)
@@ -110,3 +110,26 @@ def test_four_processes_each_hold_a_fraction_and_never_the_whole_model(single_gp
           f"{building / 2**30:.3f} GiB")
     assert training <= 0.4 * reference
     assert building <= (share + whole) / 2
+
+
+def test_two_pipelines_shard_each_stage_over_its_replicas(single_gpu, tmp_path):
+    """pipeline.py on 4 processes as 2 pipelines of 2 stages (--replicate 2) against one pipeline of 2 stages on 2
+    processes: the same stages, the same micro-batches of 1 sample, but each stage's weights, gradients and AdamW
+    state sharded over its 2 replicas between steps. Within a step FSDP holds the stage's weights and gradients whole
+    (torch's pipelining reduces the gradients once, after the last micro-batch), so what the sharding saves is AdamW's
+    state and the weights' fp32 copy, less the shards beside the whole ones: seen 0.357 GiB against 0.413, and 0.400
+    against 0.458 (87% both). Building: less than the whole stage (0.106 GiB; seen 0.061-0.082), which a process
+    that allocated its stage before sharding it would hold beside its shard (0.053): the stage is sharded on the meta
+    device, and only the shards are allocated."""
+    _, small = single_gpu
+    one, _ = peaks("pipeline.py", 2, [*BIG, "--grad-accum", 8], tmp_path)
+    two, _ = peaks("pipeline.py", 4, [*BIG, "--grad-accum", 4, "--replicate", 2], tmp_path)
+    whole, outside_blocks, _ = big_model_sizes()
+    stage = whole / 2 + outside_blocks
+    one_training, two_training = one["end"] - small["end"], two["end"] - small["end"]
+    building = two["built"] - small["built"]
+    print(f"\npipeline.py, a stage {stage / 2**30:.3f} GiB: 2 stages on 2 processes cost {one_training / 2**30:.3f} GiB "
+          f"a process; 2 x 2 {two_training / 2**30:.3f} GiB ({two_training / one_training:.0%}), building "
+          f"{building / 2**30:.3f} GiB")
+    assert two_training <= 0.92 * one_training
+    assert building <= stage

@@ -4,12 +4,14 @@ checkpoint resumes on another number of stages, compiled and recomputed stages t
 cannot be split is refused. The parametrized tests (training, resume, bad input, preemption) run it too."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
-from conftest import (HALF, PARAM_ATOL, STEPS, TINY, WARNING, fails_cleanly, import_script, injected, load,
-                      max_param_diff, resume_in, run, scalars, trains_compiled_like_eager)
+from conftest import (HALF, PARAM_ATOL, STEPS, TINY, WARNING, assert_identical, fails_cleanly, import_script, injected,
+                      load, max_param_diff, resume_in, run, scalars, trains_compiled_like_eager)
+from test_amp import close_to_fp32
 from test_training import LOSS_ATOL
 
 
@@ -37,29 +39,34 @@ def test_each_schedule_trains_like_single_gpu(trained, schedule, schedule_class,
     assert not WARNING.search(run_.output), run_.output
     assert "stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n" in run_.output, run_.output
     assert "stage 1 (rank 1): blocks.1, norm, head\n" in run_.output, run_.output
-    assert f"global batch 8 = 2 micro-batches of 4 | {schedule_class}\n" in run_.output, run_.output
+    assert f"global batch 8 = 1 x 2 micro-batches of 4 | {schedule_class}\n" in run_.output, run_.output
     weights, losses = differences(trained["single_gpu.py"], ckpt_dir, log_dir)
     print(f"{schedule}: largest weight difference {weights:.2g}, largest logged-loss difference {losses:.2g}")
     assert weights <= PARAM_ATOL and losses <= LOSS_ATOL
 
 
 def test_two_stages_per_process_train_like_single_gpu(tmp_path):
-    """Four blocks on 2 processes, stages 0 and 2 on rank 0, 1 and 3 on rank 1, under interleaved 1F1B: single_gpu.py's
-    weights with the same flags."""
+    """Four blocks on 2 processes, stages 0 and 2 on rank 0, 1 and 3 on rank 1, under interleaved 1F1B; and on 2
+    pipelines of 2 processes (--replicate 2) under interleaved zero-bubble, whose backward splits in two: each ends on
+    single_gpu.py's weights with the same flags."""
     flags = [*TINY, "--n-layers", 4, "--max-steps", HALF]
     reference = run("single_gpu.py", *flags, "--ckpt-dir", tmp_path / "single", "--log-dir", tmp_path / "tb1")
     assert reference.returncode == 0, reference.output
-    result = run("pipeline.py", *flags, "--stages-per-process", 2, "--ckpt-dir", tmp_path / "ckpt",
-                 "--log-dir", tmp_path / "tb2")
-    assert result.returncode == 0, result.output
-    assert not WARNING.search(result.output), result.output
-    for line in ["stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n", "stage 1 (rank 1): blocks.1\n",
-                 "stage 2 (rank 0): blocks.2\n", "stage 3 (rank 1): blocks.3, norm, head\n",
-                 "micro-batches of 4 | ScheduleInterleaved1F1B\n"]:
-        assert line in result.output, result.output
-    difference = max_param_diff(load(tmp_path / "ckpt")["model"], load(tmp_path / "single")["model"])
-    print(f"2 stages per process: largest difference from single_gpu.py's weights {difference:.2g}")
-    assert difference <= PARAM_ATOL
+    for name, more, nproc, schedule_class in [("one", [], 2, "ScheduleInterleaved1F1B"),
+                                              ("two", ["--replicate", 2, "--schedule", "zero-bubble"], 4,
+                                               "ScheduleInterleavedZeroBubble")]:
+        result = run("pipeline.py", *flags, "--stages-per-process", 2, *more, "--ckpt-dir", tmp_path / name,
+                     "--log-dir", tmp_path / f"tb-{name}", nproc=nproc, timeout=300)
+        assert result.returncode == 0, result.output
+        assert not WARNING.search(result.output), result.output
+        for line in ["stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n", "stage 1 (rank 1): blocks.1\n",
+                     "stage 2 (rank 0): blocks.2\n", "stage 3 (rank 1): blocks.3, norm, head\n",
+                     f"micro-batches of {4 // nproc * 2} | {schedule_class}\n"]:
+            assert line in result.output, result.output
+        difference = max_param_diff(load(tmp_path / name)["model"], load(tmp_path / "single")["model"])
+        print(f"2 stages per process, {name} pipeline(s): largest difference from single_gpu.py's weights "
+              f"{difference:.2g}")
+        assert difference <= PARAM_ATOL
 
 
 def test_a_checkpoint_resumes_on_another_number_of_stages(trained, halfway, tmp_path):
@@ -74,6 +81,60 @@ def test_a_checkpoint_resumes_on_another_number_of_stages(trained, halfway, tmp_
     difference = max_param_diff(load(ckpt_dir)["model"], load(trained["pipeline.py"].ckpt_dir)["model"])
     print(f"2 stages, then 1: largest difference from the uninterrupted run's weights {difference:.2g}")
     assert difference <= PARAM_ATOL
+
+
+@pytest.fixture(scope="module")
+def two_pipelines(tmp_path_factory):
+    """pipeline.py --replicate 2 on 4 processes for STEPS steps: 2 pipelines of 2 stages, each stage sharded over its
+    2 replicas, each pipeline fed half of each batch; its checkpoints at HALF and STEPS kept."""
+    out = tmp_path_factory.mktemp("two-pipelines")
+    result = run("pipeline.py", *TINY, "--replicate", 2, "--max-steps", STEPS, "--keep-checkpoints", 2,
+                 "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb", nproc=4, timeout=300)
+    assert result.returncode == 0, result.output
+    assert not WARNING.search(result.output), result.output
+    return result, out / "ckpt", out / "tb"
+
+
+def test_two_pipelines_of_two_stages_train_like_single_gpu(trained, two_pipelines):
+    """Ranks 0 and 1 hold stage 0, ranks 2 and 3 stage 1 (a stage's replicas side by side, in one node where R divides
+    a node's processes); pipeline j is ranks j and 2 + j. Micro-batches of 2: the weights, logged losses and validation
+    are single_gpu.py's, within the tolerance of fp32 sums."""
+    result, ckpt_dir, log_dir = two_pipelines
+    assert "global batch 8 = 2 x 2 micro-batches of 2 | Schedule1F1B\n" in result.output, result.output
+    assert "stage 1 (rank 1): blocks.1, norm, head\n" in result.output, result.output
+    weights, losses = differences(trained["single_gpu.py"], ckpt_dir / f"step-{STEPS:06d}", log_dir)
+    expected, got = scalars(trained["single_gpu.py"].log_dir)["val/loss"], scalars(log_dir)["val/loss"]
+    assert expected.keys() == got.keys() == {0, HALF, STEPS}
+    validation = max(abs(expected[step] - got[step]) for step in expected)
+    print(f"2 pipelines of 2 stages: largest weight difference {weights:.2g}, logged loss {losses:.2g}, "
+          f"validation loss {validation:.2g}")
+    assert weights <= PARAM_ATOL and losses <= LOSS_ATOL and validation <= LOSS_ATOL
+
+
+def test_two_pipelines_resume_bit_for_bit_and_hand_on_to_one_process(trained, two_pipelines, tmp_path):
+    """Resumed at HALF on the same 2 x 2, the run ends on the uninterrupted one's checkpoint bit for bit; resumed by
+    single_gpu.py (one process, whole tensors), on single_gpu.py's weights."""
+    _, ckpt_dir, _ = two_pipelines
+    for script, nproc in ("pipeline.py", 4), ("single_gpu.py", 1):
+        resumed = tmp_path / script[:-3]
+        shutil.copytree(ckpt_dir / f"step-{HALF:06d}", resumed / f"step-{HALF:06d}")
+        result = run(script, *TINY, *["--replicate", 2] * (nproc == 4), "--max-steps", STEPS, "--ckpt-dir", resumed,
+                     "--log-dir", tmp_path / f"tb-{script}", nproc=nproc, timeout=300)
+        assert result.returncode == 0, result.output
+        assert f"resumed from {resumed / f'step-{HALF:06d}'} at step {HALF}" in result.output, result.output
+    assert_identical(load(tmp_path / "pipeline"), load(ckpt_dir / f"step-{STEPS:06d}"))
+    difference = max_param_diff(load(tmp_path / "single_gpu")["model"], load(trained["single_gpu.py"].ckpt_dir)["model"])
+    print(f"2 x 2 pipelines, then single_gpu.py: largest difference from single_gpu.py's weights {difference:.2g}")
+    assert difference <= PARAM_ATOL
+
+
+def test_bf16_on_two_pipelines_trains_close_to_fp32(two_pipelines, tmp_path):
+    """--precision bf16 on 2 x 2: weights gathered and computed in bf16, kept, reduced and stepped in fp32 (the
+    checkpoint's), the loss within bf16's rounding of fp32's, and not fp32's (tests/test_amp.py has fp16)."""
+    result = run("pipeline.py", *TINY, "--replicate", 2, "--precision", "bf16", "--max-steps", STEPS, "--ckpt-dir",
+                 tmp_path / "ckpt", "--log-dir", tmp_path / "tb", nproc=4, timeout=300)
+    close_to_fp32("pipeline.py bf16, 2 x 2", result, tmp_path / "tb", two_pipelines[2])
+    assert all(value.dtype == torch.float32 for value in load(tmp_path / "ckpt")["model"].values())
 
 
 @pytest.mark.parametrize("args, message, nproc", [
@@ -93,7 +154,7 @@ def test_a_model_without_its_parts_is_refused():
     """A model that is not embed(), blocks, output() cannot be cut into stages: one line, before any process talks."""
     module = import_script("pipeline.py")
     with pytest.raises(SystemExit, match=r"^pipeline\.py: error: Linear lacks embed\(\), a ModuleDict named blocks"):
-        module.split_model(torch.nn.Linear(2, 2), None, None)
+        module.split_model(torch.nn.Linear(2, 2), None, None, None)
 
 
 def test_compiled_stages_train_like_eager(trained, tmp_path):

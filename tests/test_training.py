@@ -20,10 +20,10 @@ CONFIG = {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_hea
 NPROC = {script: 2 if script in DISTRIBUTED else 1 for script in SCRIPTS}
 
 
-def resume(script, ckpt_dir, log_dir, steps=STEPS, *flags, env=None):
+def resume(script, ckpt_dir, log_dir, steps=STEPS, *flags, env=None, nproc=2):
     """Run `script` on in `ckpt_dir` to `steps` (the schedule set for STEPS); return its output."""
     result = run(script, *TINY, "--max-steps", steps, "--lr-decay-steps", STEPS, "--ckpt-dir", ckpt_dir,
-                 "--log-dir", log_dir, *flags, env=env)
+                 "--log-dir", log_dir, *flags, env=env, nproc=nproc, timeout=300 if nproc > 2 else 180)
     assert result.returncode == 0, result.output
     assert not WARNING.search(result.output), result.output
     return result.output
@@ -166,7 +166,8 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     """Stopped at step HALF with a checkpoint and run again, each script ends on its uninterrupted run's checkpoint
     (weights, AdamW state, bit for bit) and logs its losses, with no word on a setting that differs. ddp_torchrun.py resumes with loader workers,
     spawned, which are sent the --data dataset by pickling: the same numbers, though rank 1 does not see the
-    checkpoint it resumes from (LAGGING_LISTING). And every process ends with no gloo thread left (but fsdp.py's: on
+    checkpoint it resumes from (LAGGING_LISTING). And every process ends with no gloo thread left (but those with a
+    DeviceMesh, fsdp.py's, tensor_parallel.py's and pipeline.py's: on
     torch 2.13 DTensor's process-wide caches keep the DeviceMesh, which holds the group, so its threads live until the
     process ends; see pytorch/pytorch#172504)."""
     workers = 1 if script == "ddp_torchrun.py" else 0
@@ -194,7 +195,7 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     # two reports can land on one line.
     reports = re.findall(r"gloo threads at exit: (\d+) \((\w+)\)", output)
     assert sorted(who for _, who in reports if who != "other") == (["0", "1"] if script in DISTRIBUTED else []), output
-    assert script in ("fsdp.py", "tensor_parallel.py") or all(count == "0" for count, _ in reports), output
+    assert script in ("fsdp.py", "tensor_parallel.py", "pipeline.py") or all(count == "0" for count, _ in reports), output
 
     assert_identical(load(ckpt_dir), load(trained[script].ckpt_dir))
     # The losses logged after the restart are the uninterrupted run's, exactly.
@@ -237,14 +238,15 @@ def test_init_scales_the_residual_projections_as_gpt2s(monkeypatch):
 def test_checkpoints_move_between_scripts_and_numbers_of_processes(trained, halfway, tmp_path):
     """One run handed on: single_gpu.py's step 8 (one process, whole tensors) trained on by fsdp.py to step 12 (two
     processes, each a shard of every tensor), that by tensor_parallel.py to step 14 (two processes, each a part of
-    every layer), that by pipeline.py to step 16 (two processes, each a stage's whole tensors). It ends on
-    single_gpu.py's uninterrupted weights and losses within the tolerance of fp32 sums."""
+    every layer), that by pipeline.py to step 16 (four processes: two pipelines of two stages, each stage's tensors
+    sharded over its two replicas). It ends on single_gpu.py's uninterrupted weights and losses within the tolerance
+    of fp32 sums."""
     ckpt_dir = resume_in(halfway["single_gpu.py"], tmp_path / "ckpt")
     output = resume("fsdp.py", ckpt_dir, tmp_path / "fsdp", 12)
     assert f"resumed from {ckpt_dir}/step-{HALF:06d} at step {HALF}\n" in output, output
     output = resume("tensor_parallel.py", ckpt_dir, tmp_path / "tensor_parallel", 14)
     assert f"resumed from {ckpt_dir}/step-000012 at step 12\n" in output, output
-    output = resume("pipeline.py", ckpt_dir, tmp_path / "pipeline")
+    output = resume("pipeline.py", ckpt_dir, tmp_path / "pipeline", STEPS, "--replicate", 2, nproc=4)
     assert f"resumed from {ckpt_dir}/step-000014 at step 14\n" in output, output
     reference = trained["single_gpu.py"]
     difference = max_param_diff(load(ckpt_dir)["model"], load(reference.ckpt_dir)["model"])
