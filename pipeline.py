@@ -282,9 +282,9 @@ def prepare_model(model, args, device, sample, data_info, scaler):
                       "zero-bubble": ScheduleInterleavedZeroBubble}[args.schedule]  # V per process
     if args.schedule == "1f1b" and args.stages_per_process == 1:  # interleaved: more in flight
         schedule_class, train_stages = Schedule1F1B, train_stages[0]
-    scaled = lambda logits, targets: scaler.scale(loss_fn(logits, targets))  # fp16: backward's
+    scaled_loss = lambda logits, targets: scaler.scale(loss_fn(logits, targets))  # fp16: scaled up
     try:  # torch refuses too few micro-batches for the stages, or a number its rounds do not divide
-        schedule = schedule_class(train_stages, n_microbatches=args.grad_accum, loss_fn=scaled)
+        schedule = schedule_class(train_stages, n_microbatches=args.grad_accum, loss_fn=scaled_loss)
     except ValueError as error:
         fail(f"--schedule {args.schedule}, --grad-accum {args.grad_accum} micro-batches: {error}")
     return schedule, [(s, module, inputs) for s, module, inputs, _ in stages]  # for evaluate()
@@ -294,13 +294,13 @@ def split_model(model, args, sample, group):
     last; delete the other ranks'. Returns this rank's, with a micro-batch's inputs and outputs."""
     if not all(hasattr(model, part) for part in ("embed", "blocks", "output")):
         fail(f"{type(model).__name__} lacks embed(), a ModuleDict named blocks, or output()")
-    rank, world_size, stages = dist.get_rank(group), dist.get_world_size(group), []
-    if args.stages_per_process > 1 and world_size == 1:  # one process has no bubble to shrink
-        fail(f"--stages-per-process {args.stages_per_process} is for several processes")
-    num_stages = world_size * args.stages_per_process
+    stage_rank, pipeline_size, stages = dist.get_rank(group), dist.get_world_size(group), []
+    if args.stages_per_process > 1 and pipeline_size == 1:  # one process has no bubble to shrink
+        fail(f"--stages-per-process {args.stages_per_process} needs pipelines of several processes")
+    num_stages = pipeline_size * args.stages_per_process
     names = list(dict(model.blocks.named_children()))  # "0", "1", ...
     if num_stages > len(names):
-        fail(f"{num_stages} stages (processes x --stages-per-process) for {len(names)} blocks")
+        fail(f"{num_stages} stages for {len(names)} blocks: fewer processes or stages each")
     bounds = [math.ceil(s * len(names) / num_stages) for s in range(num_stages + 1)]
     parts = [[f"blocks.{name}" for name in names[i:j]] for i, j in itertools.pairwise(bounds)]
     children = list(dict(model.named_children()))
@@ -312,16 +312,16 @@ def split_model(model, args, sample, group):
     micro_batch_size = args.batch_size // (args.replicate * args.grad_accum)
     x = sample.new_empty((micro_batch_size, *sample.shape), device="meta")
     for s, part in enumerate(parts):
-        log.info(f"stage {s} (rank {s % world_size}): {', '.join(part)}")
-        module = nn.Sequential(*map(model.get_submodule, part))  # its modules; forward() replaced:
+        log.info(f"stage {s} (rank {s % pipeline_size * args.replicate}): {', '.join(part)}")
+        module = nn.Sequential(*map(model.get_submodule, part))  # fully_shard refuses a ModuleList
         blocks = [model.get_submodule(name) for name in part if name.startswith("blocks.")]
         module.forward = functools.partial(run_stage, model, blocks, s == 0, s == num_stages - 1)
         inputs, x = x, module(x)  # on the meta device, with autograd: shapes, and which need grads
         stages.append((s, module, inputs, x))
-        for name in part if s % world_size != rank else []:
+        for name in part if s % pipeline_size != stage_rank else []:
             parent, _, child = name.rpartition(".")
             delattr(model.get_submodule(parent), child)  # the others keep their names: "blocks.2"
-    return stages[rank::world_size], num_stages
+    return stages[stage_rank::pipeline_size], num_stages
 
 def run_stage(model, blocks, is_first, is_last, x):  # a stage's part of the model's forward()
     x = model.embed(x) if is_first else x
@@ -349,11 +349,11 @@ class StageSamples(Subset):
     """Samples as this rank's stage uses them: inputs on the first, targets on the last, else
     empty; of each batch, its pipeline's share (pipeline r of R: the samples r, r + R...)."""
 
-    def __init__(self, dataset, replicas):  # rank i: pipeline i mod R's, its process i // R
+    def __init__(self, dataset, pipelines):  # rank i: pipeline i mod R's, its stage rank i // R
         super().__init__(dataset, range(len(dataset)))
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        self.used = (rank < replicas, rank >= world_size - replicas)  # inputs, targets
-        self.share = slice(rank % replicas, None, replicas)
+        self.used = (rank < pipelines, rank >= world_size - pipelines)  # inputs, targets
+        self.share = slice(rank % pipelines, None, pipelines)
 
     def __getitems__(self, indices):  # the loader's call, for a batch
         indices = indices[self.share]
@@ -468,11 +468,10 @@ def lr_factor(step, args):
 
 def train_step(schedule, model, optimizer, step, scaler, batches, args, device):
     """Optimizer step `step` over --grad-accum micro-batches: the mean loss (a tensor), the lr."""
-    inputs, targets = next(batches)
-    rank, last, losses = dist.get_rank(), dist.get_world_size() - args.replicate, []  # R a stage
+    (inputs, targets), losses = next(batches), []  # empty where this rank's stages use none
     # The schedule cuts micro-batches, fills `losses` on the last stage, averages the gradients.
-    schedule.step(*[inputs.to(device, non_blocking=True)] if rank < args.replicate else [],
-                  target=targets.to(device, non_blocking=True) if rank >= last else None,
+    schedule.step(*[inputs.to(device, non_blocking=True)] if inputs.numel() else [],
+                  target=targets.to(device, non_blocking=True) if targets.numel() else None,
                   losses=losses, return_outputs=False)
     scale = scaler.scale(torch.ones((), device=device))  # fp16's (the losses'), else 1: all stages
     total_loss = sum(loss.detach() for loss in losses) / scale / args.grad_accum  # on the device
@@ -481,7 +480,7 @@ def train_step(schedule, model, optimizer, step, scaler, batches, args, device):
         dist.all_reduce(found, dist.ReduceOp.MAX)  # fp16: an inf on one stage skips all (private)
     if args.grad_clip:  # each stage holds some gradients: the whole model's norm adds their squares
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads).full_tensor() ** 2 / args.replicate  # R a stage
+        norm = torch.nn.utils.get_total_norm([g.to_local() for g in grads]) ** 2  # its shards'
         dist.all_reduce(norm)
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip, norm.sqrt())
     for group in optimizer.param_groups:  # from the step and the flags: a resume follows its own
@@ -489,7 +488,7 @@ def train_step(schedule, model, optimizer, step, scaler, batches, args, device):
     scaler.step(optimizer)  # fp16: skipped if a gradient is inf or NaN
     scaler.update()  # fp16: halves the scale after a skip, doubles it after 2000 steps without
     optimizer.zero_grad(set_to_none=True)
-    return total_loss, optimizer.param_groups[0]["lr"]  # the loss: zero but on the last stage
+    return total_loss, optimizer.param_groups[0]["lr"]  # the loss: zero but on the last stages
 
 def weights_are_finite(model):
     finite = torch.stack([p.to_local().isfinite().all() for p in model.parameters()]).all().int()
@@ -504,7 +503,7 @@ def evaluate(stages, model, loader, device, args):
     """Mean loss and accuracy over every prediction in the loader's samples: forward alone, stage by
     stage, a micro-batch at a time, whose logits the last stage sums and frees before the next's."""
     model.eval()
-    rank, world_size, r = dist.get_rank(), dist.get_world_size(), args.replicate  # R a stage
+    rank, world_size, r = dist.get_rank(), dist.get_world_size(), args.replicate
     last = world_size // r * args.stages_per_process - 1
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
     for inputs, targets in loader:  # the first stage takes the inputs, the last the targets
@@ -616,7 +615,7 @@ def main(args):
     schedule, stages = prepare_model(model, args, device, train_set[0][0], data_info, scaler)
     optimizer = configure_optimizer(model, args)
     extras = {"scaler": scaler}  # checkpointed beside the model and the optimizer
-    log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters on rank 0's {device} | "
+    log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters in rank 0's stages | "
              f"global batch {args.batch_size} = {args.replicate} x {args.grad_accum} micro-batches "
              f"of {args.batch_size // (args.replicate * args.grad_accum)} | "
              f"{type(schedule).__name__}")

@@ -59,8 +59,9 @@ def test_two_stages_per_process_train_like_single_gpu(tmp_path):
                      "--log-dir", tmp_path / f"tb-{name}", nproc=nproc, timeout=300)
         assert result.returncode == 0, result.output
         assert not WARNING.search(result.output), result.output
-        for line in ["stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n", "stage 1 (rank 1): blocks.1\n",
-                     "stage 2 (rank 0): blocks.2\n", "stage 3 (rank 1): blocks.3, norm, head\n",
+        r = nproc // 2  # a stage's replicas: the log names the first's rank
+        for line in ["stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n", f"stage 1 (rank {r}): blocks.1\n",
+                     "stage 2 (rank 0): blocks.2\n", f"stage 3 (rank {r}): blocks.3, norm, head\n",
                      f"micro-batches of {4 // nproc * 2} | {schedule_class}\n"]:
             assert line in result.output, result.output
         difference = max_param_diff(load(tmp_path / name)["model"], load(tmp_path / "single")["model"])
@@ -97,11 +98,11 @@ def two_pipelines(tmp_path_factory):
 
 def test_two_pipelines_of_two_stages_train_like_single_gpu(trained, two_pipelines):
     """Ranks 0 and 1 hold stage 0, ranks 2 and 3 stage 1 (a stage's replicas side by side, in one node where R divides
-    a node's processes); pipeline j is ranks j and 2 + j. Micro-batches of 2: the weights, logged losses and validation
+    a node's processes; the log names the first); pipeline j is ranks j and 2 + j. Micro-batches of 2: the weights, logged losses and validation
     are single_gpu.py's, within the tolerance of fp32 sums."""
     result, ckpt_dir, log_dir = two_pipelines
     assert "global batch 8 = 2 x 2 micro-batches of 2 | Schedule1F1B\n" in result.output, result.output
-    assert "stage 1 (rank 1): blocks.1, norm, head\n" in result.output, result.output
+    assert "stage 1 (rank 2): blocks.1, norm, head\n" in result.output, result.output
     weights, losses = differences(trained["single_gpu.py"], ckpt_dir / f"step-{STEPS:06d}", log_dir)
     expected, got = scalars(trained["single_gpu.py"].log_dir)["val/loss"], scalars(log_dir)["val/loss"]
     assert expected.keys() == got.keys() == {0, HALF, STEPS}
@@ -138,9 +139,9 @@ def test_bf16_on_two_pipelines_trains_close_to_fp32(two_pipelines, tmp_path):
 
 
 @pytest.mark.parametrize("args, message, nproc", [
-    (["--stages-per-process", 2], "4 stages (processes x --stages-per-process) for 2 blocks", 2),
+    (["--stages-per-process", 2], "4 stages for 2 blocks: fewer processes or stages each", 2),
     (["--schedule", "zero-bubble", "--compile"], "--compile and --schedule zero-bubble do not mix", 1),
-    (["--n-layers", 4, "--stages-per-process", 2], "--stages-per-process 2 is for several processes", 1),
+    (["--n-layers", 4, "--stages-per-process", 2], "--stages-per-process 2 needs pipelines of several processes", 1),
     # Torch's own checks of the micro-batches against the schedule, in one line.
     (["--grad-accum", 1], "--schedule 1f1b, --grad-accum 1 micro-batches: Number of microbatches (1) must be", 2),
     (["--n-layers", 4, "--stages-per-process", 2, "--batch-size", 5, "--grad-accum", 5],
