@@ -473,7 +473,7 @@ def train_step(schedule, model, optimizer, step, scaler, batches, args, device):
     schedule.step(*[inputs.to(device, non_blocking=True)] if inputs.numel() else [],
                   target=targets.to(device, non_blocking=True) if targets.numel() else None,
                   losses=losses, return_outputs=False)
-    scale = scaler.scale(torch.ones((), device=device))  # fp16's (the losses'), else 1: all stages
+    scale = scaler.scale(torch.ones((), device=device))  # fp16's, else 1; makes unscale_'s on all
     total_loss = sum(loss.detach() for loss in losses) / scale / args.grad_accum  # on the device
     scaler.unscale_(optimizer)  # the true gradients, to clip
     for found in scaler._found_inf_per_device(optimizer).values() if scaler.is_enabled() else []:
