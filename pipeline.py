@@ -287,11 +287,10 @@ def prepare_model(model, args, device, sample, data_info, scaler):
         schedule = schedule_class(train_stages, n_microbatches=args.grad_accum, loss_fn=scaled_loss)
     except ValueError as error:
         fail(f"--schedule {args.schedule}, --grad-accum {args.grad_accum} micro-batches: {error}")
-    return schedule, [(s, module, inputs) for s, module, inputs, _ in stages]  # for evaluate()
+    return schedule, [(s, module, inputs, s == num_stages - 1) for s, module, inputs, _ in stages]
 
 def split_model(model, args, sample, group):
-    """Cut the model into stages, runs of blocks: embed()'s modules on the first, output()'s on the
-    last; delete the other ranks'. Returns this rank's, with a micro-batch's inputs and outputs."""
+    """Cut the model into stages of blocks (embed()'s first, output()'s last); keep this rank's."""
     if not all(hasattr(model, part) for part in ("embed", "blocks", "output")):
         fail(f"{type(model).__name__} lacks embed(), a ModuleDict named blocks, or output()")
     stage_rank, pipeline_size, stages = dist.get_rank(group), dist.get_world_size(group), []
@@ -355,12 +354,11 @@ class StageSamples(Subset):
         self.used = (rank < pipelines, rank >= world_size - pipelines)  # inputs, targets
         self.share = slice(rank % pipelines, None, pipelines)
 
-    def __getitems__(self, indices):  # the loader's call, for a batch
+    def __getitems__(self, indices):  # the loader's call, for a batch; a middle stage reads nothing
         indices = indices[self.share]
-        if not any(self.used):  # a middle stage: reads nothing
-            return [(torch.empty(0), torch.empty(0))] * len(indices)
+        samples = super().__getitems__(indices) if any(self.used) else [(None, None)] * len(indices)
         return [tuple(t if used else torch.empty(0) for t, used in zip(sample, self.used))
-                for sample in super().__getitems__(indices)]
+                for sample in samples]
 
 class SkippingSampler(Sampler):
     """Another sampler's order from index `start`: a resumed run skips what its epoch trained on."""
@@ -488,7 +486,7 @@ def train_step(schedule, model, optimizer, step, scaler, batches, args, device):
     scaler.step(optimizer)  # fp16: skipped if a gradient is inf or NaN
     scaler.update()  # fp16: halves the scale after a skip, doubles it after 2000 steps without
     optimizer.zero_grad(set_to_none=True)
-    return total_loss, optimizer.param_groups[0]["lr"]  # the loss: zero but on the last stages
+    return total_loss, optimizer.param_groups[0]["lr"]
 
 def weights_are_finite(model):
     finite = torch.stack([p.to_local().isfinite().all() for p in model.parameters()]).all().int()
@@ -500,24 +498,22 @@ def weights_are_finite(model):
 
 @torch.no_grad()
 def evaluate(stages, model, loader, device, args):
-    """Mean loss and accuracy over every prediction in the loader's samples: forward alone, stage by
-    stage, a micro-batch at a time, whose logits the last stage sums and frees before the next's."""
+    """Mean loss and accuracy over every prediction in the loader's samples."""
     model.eval()
     rank, world_size, r = dist.get_rank(), dist.get_world_size(), args.replicate
-    last = world_size // r * args.stages_per_process - 1
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
     for inputs, targets in loader:  # the first stage takes the inputs, the last the targets
         sent = []  # activations on their way to the next stage, kept until received
-        for s, module, meta_input in stages:  # this rank's, in order; meta_input: a micro-batch's
+        for s, module, meta_input, is_last in stages:  # this rank's, in order
             for x, y in zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum)):
                 if s > 0:
                     x = torch.empty_like(meta_input, device=device)
                     dist.recv(x, (rank - r) % world_size)  # from its pipeline's previous
                 x = module(x.to(device, non_blocking=True))
-                if s < last:
+                if not is_last:
                     sent.append((x, dist.isend(x, (rank + r) % world_size)))
                     continue
-                y = y.to(device, non_blocking=True)
+                y = y.to(device, non_blocking=True)  # a micro-batch's logits: summed, then freed
                 totals[0] += loss_fn(x, y, reduction="sum")
                 totals[1] += (x.argmax(-1) == y).sum()
                 totals[2] += y.numel()
@@ -601,6 +597,7 @@ def main(args):
     if args.batch_size % (args.replicate * args.grad_accum):
         fail(f"--batch-size {args.batch_size} does not divide into {args.replicate} pipelines x "
              f"--grad-accum {args.grad_accum}")
+    per_process_batch_size = args.batch_size // (args.replicate * args.grad_accum)  # a micro-batch
     if args.compile and args.schedule == "zero-bubble":  # it splits each backward in two
         fail("--compile and --schedule zero-bubble do not mix: a compiled backward cannot be split")
     train_set, val_set, data_info = build_datasets(args)
@@ -615,22 +612,21 @@ def main(args):
     schedule, stages = prepare_model(model, args, device, train_set[0][0], data_info, scaler)
     optimizer = configure_optimizer(model, args)
     extras = {"scaler": scaler}  # checkpointed beside the model and the optimizer
-    log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters in rank 0's stages | "
-             f"global batch {args.batch_size} = {args.replicate} x {args.grad_accum} micro-batches "
-             f"of {args.batch_size // (args.replicate * args.grad_accum)} | "
-             f"{type(schedule).__name__}")
+    log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters, rank 0's stages | global "
+             f"batch {args.batch_size} = {per_process_batch_size} x {args.grad_accum} micro-batches"
+             f" x {args.replicate} pipelines | {type(schedule).__name__}")
     from_rank_0 = [args.ckpt_dir and complete_checkpoints(args.ckpt_dir)]  # the newest resumes
     dist.broadcast_object_list(from_rank_0)  # rank 0's list for all: another node's view can lag
     checkpoints = from_rank_0[0]
     step = load_checkpoint(checkpoints[-1], model, optimizer, extras, config) if checkpoints else 0
     torch.manual_seed(args.seed + step * world_size + rank)  # dropout: each rank its own masks
     sampler = RandomSampler(train_set, generator=torch.Generator())
+    train_set, val_set = (StageSamples(data, args.replicate) for data in (train_set, val_set))
     loader = functools.partial(DataLoader, batch_size=args.batch_size,  # each rank: whole batches
                                num_workers=args.workers, persistent_workers=args.workers > 0,
                                multiprocessing_context="spawn" if args.workers else None,
                                pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)
-    train_loader = loader(StageSamples(train_set, args.replicate), sampler=SkippingSampler(sampler))
-    val_loader = loader(StageSamples(val_set, args.replicate))
+    train_loader, val_loader = loader(train_set, sampler=SkippingSampler(sampler)), loader(val_set)
     meter = Meter(args, data_info, step, train_set[0], world_size, device, args.precision)
     profiler, signals_received = start_profiler(args, rank), catch_stop_signals()
     last_save = batches = None

@@ -39,7 +39,7 @@ def test_each_schedule_trains_like_single_gpu(trained, schedule, schedule_class,
     assert not WARNING.search(run_.output), run_.output
     assert "stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n" in run_.output, run_.output
     assert "stage 1 (rank 1): blocks.1, norm, head\n" in run_.output, run_.output
-    assert f"global batch 8 = 1 x 2 micro-batches of 4 | {schedule_class}\n" in run_.output, run_.output
+    assert f"global batch 8 = 4 x 2 micro-batches x 1 pipelines | {schedule_class}\n" in run_.output, run_.output
     weights, losses = differences(trained["single_gpu.py"], ckpt_dir, log_dir)
     print(f"{schedule}: largest weight difference {weights:.2g}, largest logged-loss difference {losses:.2g}")
     assert weights <= PARAM_ATOL and losses <= LOSS_ATOL
@@ -62,7 +62,7 @@ def test_two_stages_per_process_train_like_single_gpu(tmp_path):
         r = nproc // 2  # a stage's replicas: the log names the first's rank
         for line in ["stage 0 (rank 0): tok_emb, pos_emb, blocks.0\n", f"stage 1 (rank {r}): blocks.1\n",
                      "stage 2 (rank 0): blocks.2\n", f"stage 3 (rank {r}): blocks.3, norm, head\n",
-                     f"micro-batches of {4 // nproc * 2} | {schedule_class}\n"]:
+                     f"= {4 // nproc * 2} x 2 micro-batches x {nproc // 2} pipelines | {schedule_class}\n"]:
             assert line in result.output, result.output
         difference = max_param_diff(load(tmp_path / name)["model"], load(tmp_path / "single")["model"])
         print(f"2 stages per process, {name} pipeline(s): largest difference from single_gpu.py's weights "
@@ -101,7 +101,7 @@ def test_two_pipelines_of_two_stages_train_like_single_gpu(trained, two_pipeline
     a node's processes; the log names the first); pipeline j is ranks j and 2 + j. Micro-batches of 2: the weights, logged losses and validation
     are single_gpu.py's, within the tolerance of fp32 sums."""
     result, ckpt_dir, log_dir = two_pipelines
-    assert "global batch 8 = 2 x 2 micro-batches of 2 | Schedule1F1B\n" in result.output, result.output
+    assert "global batch 8 = 2 x 2 micro-batches x 2 pipelines | Schedule1F1B\n" in result.output, result.output
     assert "stage 1 (rank 2): blocks.1, norm, head\n" in result.output, result.output
     weights, losses = differences(trained["single_gpu.py"], ckpt_dir / f"step-{STEPS:06d}", log_dir)
     expected, got = scalars(trained["single_gpu.py"].log_dir)["val/loss"], scalars(log_dir)["val/loss"]
