@@ -345,8 +345,7 @@ def init_weights(model, seed):
             tensor.copy_(value)
 
 class StageSamples(Subset):
-    """Samples as this rank's stage uses them: inputs on the first, targets on the last, else
-    empty; of each batch, its pipeline's share (pipeline r of R: the samples r, r + R...)."""
+    """Its pipeline's share of a batch (r, r + R...): inputs on a first stage, targets on a last."""
 
     def __init__(self, dataset, pipelines):  # rank i: pipeline i mod R's, its stage rank i // R
         super().__init__(dataset, range(len(dataset)))
@@ -466,20 +465,19 @@ def lr_factor(step, args):
 
 def train_step(schedule, model, optimizer, step, scaler, batches, args, device):
     """Optimizer step `step` over --grad-accum micro-batches: the mean loss (a tensor), the lr."""
-    (inputs, targets), losses = next(batches), []  # empty where this rank's stages use none
-    # The schedule cuts micro-batches, fills `losses` on the last stage, averages the gradients.
-    schedule.step(*[inputs.to(device, non_blocking=True)] if inputs.numel() else [],
-                  target=targets.to(device, non_blocking=True) if targets.numel() else None,
+    inputs, targets = (t.to(device, non_blocking=True) for t in next(batches))  # empty if unused
+    losses = []  # the schedule cuts micro-batches, fills this on the last stage, averages gradients
+    schedule.step(*[inputs] if inputs.numel() else [], target=targets if targets.numel() else None,
                   losses=losses, return_outputs=False)
     scale = scaler.scale(torch.ones((), device=device))  # fp16's, else 1; makes unscale_'s on all
     total_loss = sum(loss.detach() for loss in losses) / scale / args.grad_accum  # on the device
     scaler.unscale_(optimizer)  # the true gradients, to clip
     for found in scaler._found_inf_per_device(optimizer).values() if scaler.is_enabled() else []:
         dist.all_reduce(found, dist.ReduceOp.MAX)  # fp16: an inf on one stage skips all (private)
-    if args.grad_clip:  # each stage holds some gradients: the whole model's norm adds their squares
+    if args.grad_clip:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([g.to_local() for g in grads]) ** 2  # its shards'
-        dist.all_reduce(norm)
+        dist.all_reduce(norm)  # each stage holds some gradients: the whole norm adds their squares
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip, norm.sqrt())
     for group in optimizer.param_groups:  # from the step and the flags: a resume follows its own
         group["lr"] = group["initial_lr"] * lr_factor(step, args)
@@ -502,18 +500,18 @@ def evaluate(stages, model, loader, device, args):
     model.eval()
     rank, world_size, r = dist.get_rank(), dist.get_world_size(), args.replicate
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
-    for inputs, targets in loader:  # the first stage takes the inputs, the last the targets
+    for inputs, targets in loader:
+        inputs, targets = (t.to(device, non_blocking=True) for t in (inputs, targets))
         sent = []  # activations on their way to the next stage, kept until received
         for s, module, meta_input, is_last in stages:  # this rank's, in order
             for x, y in zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum)):
                 if s > 0:
                     x = torch.empty_like(meta_input, device=device)
                     dist.recv(x, (rank - r) % world_size)  # from its pipeline's previous
-                x = module(x.to(device, non_blocking=True))
+                x = module(x)  # the last stage's: a micro-batch's logits, summed, then freed
                 if not is_last:
                     sent.append((x, dist.isend(x, (rank + r) % world_size)))
                     continue
-                y = y.to(device, non_blocking=True)  # a micro-batch's logits: summed, then freed
                 totals[0] += loss_fn(x, y, reduction="sum")
                 totals[1] += (x.argmax(-1) == y).sum()
                 totals[2] += y.numel()
