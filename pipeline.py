@@ -508,7 +508,7 @@ def evaluate(stages, model, loader, device, args):
                 if s > 0:
                     x = torch.empty_like(meta_input, device=device)
                     dist.recv(x, (rank - r) % world_size)  # from its pipeline's previous
-                x = module(x)  # the last stage's: a micro-batch's logits, summed, then freed
+                x = module(x)  # on the last stage, a micro-batch's logits: summed, then freed
                 if not is_last:
                     sent.append((x, dist.isend(x, (rank + r) % world_size)))
                     continue

@@ -21,8 +21,8 @@ SIBLING_IMPORT = re.compile(rf"^\s*(from|import)\s+({'|'.join(script[:-3] for sc
 # --timeout, +2 refuse per-block flags for a model without blocks. Issues 55 and 56 stayed within them.
 # tensor_parallel.py: fsdp.py's 136 and its own 120 at most (issue 57). pipeline.py: issue 58 set 250; its
 # --replicate (a grid of groups, each stage sharded over its replicas) and --precision (fsdp.py's policy, a loss
-# scaler whose inf check spans every stage) took it to 283; 263 once the step line, evaluation's copy to
-# the device and the clipping's test kept single_gpu.py's words; held there until issue 58's author rules on the bound.
+# scaler whose inf check spans every stage) took it to 283; 263 once the step line, the loaders' line,
+# evaluation's copy to the device and the clipping's `if` kept single_gpu.py's words; held there until issue 58's author rules on the bound.
 MAX_CHANGED_LINES = {"dataparallel.py": 25, "ddp_spawn.py": 108, "ddp_torchrun.py": 81, "ddp_amp.py": 100,
                      "fsdp.py": 136, "pipeline.py": 263, "tensor_parallel.py": 256}
 # Scripts derived from ddp_torchrun.py, and their exact diff against it (issue 43's targets: 40, 35 and 90). ddp_spawn.py
