@@ -133,13 +133,20 @@ def name(task):  # a thread that ends meanwhile has none
 def report():
     names = [name(task) for task in os.listdir("/proc/self/task")]
     # A rank (torchrun's, or ddp_spawn.py's run() sets it), or another: torchrun, or a loader worker (which on
-    # torch 2.10 may end with its stdout closed: nothing to report to).
-    loader_worker = "torch.utils.data" in sys.modules and sys.modules["torch.utils.data"].get_worker_info()
+    # torch 2.10 may end with its stdout closed: nothing to report to). torch 2.14's worker forgets its WorkerInfo as
+    # its loop ends, before exit: its start is noted instead.
     if sys.stdout.closed:
         return
-    who = "other" if loader_worker else os.environ.get("RANK", "other")
+    who = "other" if os.environ.get("A_LOADER_WORKER") else os.environ.get("RANK", "other")
     print(f"gloo threads at exit: {sum('gloo' in name for name in names)} ({who})", flush=True)
 
+import torch.utils.data._utils.worker as worker
+WorkerInfo = worker.WorkerInfo
+class NotedWorkerInfo(WorkerInfo):  # made once in each loader worker, as its loop starts
+    def __init__(self, **kwargs):
+        os.environ["A_LOADER_WORKER"] = "1"
+        super().__init__(**kwargs)
+worker.WorkerInfo = NotedWorkerInfo
 atexit.register(report)
 """
 
@@ -246,7 +253,7 @@ def test_checkpoints_move_between_scripts_and_numbers_of_processes(trained, half
     assert f"resumed from {ckpt_dir}/step-{HALF:06d} at step {HALF}\n" in output, output
     output = resume("tensor_parallel.py", ckpt_dir, tmp_path / "tensor_parallel", 14)
     assert f"resumed from {ckpt_dir}/step-000012 at step 12\n" in output, output
-    output = resume("pipeline.py", ckpt_dir, tmp_path / "pipeline", STEPS, "--replicate", 2, nproc=4)
+    output = resume("pipeline.py", ckpt_dir, tmp_path / "pipeline", STEPS, "--pipelines", 2, nproc=4)
     assert f"resumed from {ckpt_dir}/step-000014 at step 14\n" in output, output
     reference = trained["single_gpu.py"]
     difference = max_param_diff(load(ckpt_dir)["model"], load(reference.ckpt_dir)["model"])
@@ -319,6 +326,8 @@ def test_the_checkpoint_writer_makes_no_cuda_call_where_there_is_cuda(tmp_path, 
     script = import_script("single_gpu.py")
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(4)).sum().backward()
+    optimizer.step()  # a state to save: for an empty one, get_state_dict takes a step, which asks the GPU its stream
     args = argparse.Namespace(ckpt_dir=str(tmp_path), keep_checkpoints=1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(filesystem, "_OverlappingCpuLoader", cuda_loader)
