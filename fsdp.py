@@ -256,9 +256,9 @@ def prepare_model(model, args, device):
         mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("shard",))
     else:  # row i: replica i's N/R shards; column j: shard j's R replicas
         timeout, grid = datetime.timedelta(seconds=args.timeout), torch.arange(n).view(r, n // r)
-        shards, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)
+        sharding, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)
         replicas, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=timeout)
-        mesh = DeviceMesh.from_group([replicas, shards], device.type, mesh=grid,
+        mesh = DeviceMesh.from_group([replicas, sharding], device.type, mesh=grid,
                                      mesh_dim_names=("replicate", "shard"))
     # 16 bits: weights gathered and computed in 16 bits, gradients reduced in fp32 into fp32 shards.
     param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)

@@ -89,7 +89,7 @@ def parse_args():
     parser.set_defaults(grad_accum=8)  # micro-batches: they keep the stages busy
     add_flag("--schedule", choices=["gpipe", "1f1b", "zero-bubble"], default="1f1b", help="order")
     add_flag("--stages-per-process", type=number(int), default=1, help="stages each, in turn")
-    add_flag("--replicate", type=number(int), default=1, help="R pipelines, a stage sharded on R")
+    add_flag("--pipelines", type=number(int), default=1, help="R pipelines, a stage sharded on R")
     add_flag("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="for compute")
     add_flag("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     add_flag("--timeout", type=number(float), default=300, help="seconds to wait for a stuck rank")
@@ -251,24 +251,26 @@ def setup(args):
 
 def prepare_model(model, args, device, sample, data_info, scaler):
     """This rank's stages, each sharded over its replicas, and the schedule that runs them."""
-    n, r = dist.get_world_size(), args.replicate  # --replicate R: R pipelines of N/R processes
+    n, r = dist.get_world_size(), args.pipelines  # --pipelines R: R pipelines of N/R processes
     if n % r:
-        fail(f"--replicate {r} does not divide {n} processes evenly")
+        fail(f"--pipelines {r} does not divide {n} processes evenly")
     # Row i: the R replicas of pipeline rank i (a node's, if R divides it); column j: pipeline j.
     timeout, grid = datetime.timedelta(seconds=args.timeout), torch.arange(n).view(n // r, r)
-    replicas, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)
+    sharding, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)
     pipeline, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=timeout)
     stages, num_stages = split_model(model, args, sample, pipeline)  # (s, module, input, output)
     for block in model.blocks.children() if args.activation_checkpointing else []:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     for _, module, _, _ in stages if args.compile else []:  # in place: the state dict keeps names
         module.compile()
-    # 16 bits: weights gathered and computed in 16 bits; gradients, AdamW, activations sent: fp32.
+    # 16 bits: weights gathered and computed, activations sent; logits, gradients and AdamW: fp32.
     param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-    policy = MixedPrecisionPolicy(param_dtype, torch.float32, output_dtype=torch.float32)
-    mesh = DeviceMesh.from_group(replicas, device.type, mesh_dim_names=("shard",))  # its replicas
-    train_stages = [PipelineStage(fully_shard(module, mesh=mesh, mp_policy=policy), s, num_stages,
-                                  device, inputs, outputs, group=pipeline)
+    sent = lambda x, s: x.to(param_dtype) if param_dtype and 0 < s < num_stages else x  # into s
+    stages = [(s, module, sent(x, s), sent(y, s + 1)) for s, module, x, y in stages]
+    policy = functools.partial(MixedPrecisionPolicy, param_dtype, torch.float32)  # (output_dtype)
+    mesh = DeviceMesh.from_group(sharding, device.type, mesh_dim_names=("shard",))  # its replicas
+    train_stages = [PipelineStage(fully_shard(module, mesh=mesh, mp_policy=policy(outputs.dtype)),
+                                  s, num_stages, device, inputs, outputs, group=pipeline)
                     for s, module, inputs, outputs in stages]
     model.to_empty(device=device)  # allocates this rank's shards, uninitialised
     init_weights(model, args.seed)
@@ -308,10 +310,10 @@ def split_model(model, args, sample, group):
     held = sum(len(list(model.get_submodule(name).parameters())) for part in parts for name in part)
     if held != len(list(model.parameters())):
         fail("a parameter belongs to two modules (tied weights) or to none: stages cannot share it")
-    micro_batch_size = args.batch_size // (args.replicate * args.grad_accum)
+    micro_batch_size = args.batch_size // (args.pipelines * args.grad_accum)
     x = sample.new_empty((micro_batch_size, *sample.shape), device="meta")
     for s, part in enumerate(parts):
-        log.info(f"stage {s} (rank {s % pipeline_size * args.replicate}): {', '.join(part)}")
+        log.info(f"stage {s} (rank {s % pipeline_size * args.pipelines}): {', '.join(part)}")
         module = nn.Sequential(*map(model.get_submodule, part))  # fully_shard refuses a ModuleList
         blocks = [model.get_submodule(name) for name in part if name.startswith("blocks.")]
         module.forward = functools.partial(run_stage, model, blocks, s == 0, s == num_stages - 1)
@@ -498,16 +500,21 @@ def weights_are_finite(model):
 def evaluate(stages, model, loader, device, args):
     """Mean loss and accuracy over every prediction in the loader's samples."""
     model.eval()
-    rank, world_size, r = dist.get_rank(), dist.get_world_size(), args.replicate
+    rank, world_size, r = dist.get_rank(), dist.get_world_size(), args.pipelines
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
     for inputs, targets in loader:
         inputs, targets = (t.to(device, non_blocking=True) for t in (inputs, targets))
         sent = []  # activations on their way to the next stage, kept until received
         for s, module, meta_input, is_last in stages:  # this rank's, in order
-            for x, y in zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum)):
+            xs, ys = inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum)
+            # All receives first: NCCL runs a pair of ranks' sends and receives in the order issued,
+            # a send until its receive runs, so two ranks that send each other issue theirs alike.
+            if s > 0:
+                xs = [torch.empty_like(meta_input, device=device) for _ in ys]
+                received = [dist.irecv(x, (rank - r) % world_size) for x in xs]  # from its previous
+            for k, (x, y) in enumerate(zip(xs, ys)):
                 if s > 0:
-                    x = torch.empty_like(meta_input, device=device)
-                    dist.recv(x, (rank - r) % world_size)  # from its pipeline's previous
+                    received[k].wait()
                 x = module(x)  # on the last stage, a micro-batch's logits: summed, then freed
                 if not is_last:
                     sent.append((x, dist.isend(x, (rank + r) % world_size)))
@@ -592,10 +599,10 @@ def load_checkpoint(path, model, optimizer, extras, config):
 
 def main(args):
     device, rank, world_size = setup(args)
-    if args.batch_size % (args.replicate * args.grad_accum):
-        fail(f"--batch-size {args.batch_size} does not divide into {args.replicate} pipelines x "
+    if args.batch_size % (args.pipelines * args.grad_accum):
+        fail(f"--batch-size {args.batch_size} does not divide into {args.pipelines} pipelines x "
              f"--grad-accum {args.grad_accum}")
-    per_process_batch_size = args.batch_size // (args.replicate * args.grad_accum)  # a micro-batch
+    per_process_batch_size = args.batch_size // (args.pipelines * args.grad_accum)  # a micro-batch
     if args.compile and args.schedule == "zero-bubble":  # it splits each backward in two
         fail("--compile and --schedule zero-bubble do not mix: a compiled backward cannot be split")
     train_set, val_set, data_info = build_datasets(args)
@@ -612,14 +619,14 @@ def main(args):
     extras = {"scaler": scaler}  # checkpointed beside the model and the optimizer
     log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters, rank 0's stages | global "
              f"batch {args.batch_size} = {per_process_batch_size} x {args.grad_accum} micro-batches"
-             f" x {args.replicate} pipelines | {type(schedule).__name__}")
+             f" x {args.pipelines} pipelines | {type(schedule).__name__}")
     from_rank_0 = [args.ckpt_dir and complete_checkpoints(args.ckpt_dir)]  # the newest resumes
     dist.broadcast_object_list(from_rank_0)  # rank 0's list for all: another node's view can lag
     checkpoints = from_rank_0[0]
     step = load_checkpoint(checkpoints[-1], model, optimizer, extras, config) if checkpoints else 0
     torch.manual_seed(args.seed + step * world_size + rank)  # dropout: each rank its own masks
     sampler = RandomSampler(train_set, generator=torch.Generator())
-    train_set, val_set = (StageSamples(data, args.replicate) for data in (train_set, val_set))
+    train_set, val_set = (StageSamples(data, args.pipelines) for data in (train_set, val_set))
     loader = functools.partial(DataLoader, batch_size=args.batch_size,  # each rank: whole batches
                                num_workers=args.workers, persistent_workers=args.workers > 0,
                                multiprocessing_context="spawn" if args.workers else None,
@@ -651,7 +658,7 @@ def main(args):
             stop = stop_vote(signals_received) if voting else 0
             if step % args.log_every == 0 or step == args.max_steps:
                 dist.all_reduce(loss)  # the last stages' sum, one for each pipeline
-                write_scalars(writer, meter.log(step, loss.item() / args.replicate, lr), step)
+                write_scalars(writer, meter.log(step, loss.item() / args.pipelines, lr), step)
             if args.ckpt_dir and (step % args.ckpt_every == 0 or step == args.max_steps or stop):
                 last_save = save_checkpoint(model, optimizer, extras, step, config, args, last_save,
                                             save_group)

@@ -266,9 +266,9 @@ def prepare_model(model, args, device):
     n, t = dist.get_world_size(), tensor_parallel_size(args, dist.get_world_size())
     # Row i: ranks iT to iT + T - 1 (one node's if T divides it); column j: part j of every layer.
     timeout, grid = datetime.timedelta(seconds=args.timeout), torch.arange(n).view(n // t, t)
-    row, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)  # wait --timeout
-    column, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=timeout)
-    mesh = DeviceMesh.from_group([column, row], device.type, mesh=grid,
+    tensor_parallel, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)
+    sharding, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=timeout)
+    mesh = DeviceMesh.from_group([sharding, tensor_parallel], device.type, mesh=grid,
                                  mesh_dim_names=("shard", "tensor"))
     plan = {name: STYLES[style] for name, style in model.tensor_plan.items()}
     parallelize_module(model, mesh["tensor"], plan)  # first: FSDP then shards its DTensors

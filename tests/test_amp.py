@@ -79,7 +79,7 @@ def fp16(request, tmp_path_factory):
 
 # And pipeline.py on 2 pipelines of 2 stages: rank 1 is then stage 0's second replica, whose inf its replica sees
 # too (through the DTensor gradients' own check), so two ranks of four find one, and every rank must skip alike.
-@pytest.fixture(scope="module", params=[*FP16, "pipeline.py --replicate 2"])
+@pytest.fixture(scope="module", params=[*FP16, "pipeline.py --pipelines 2"])
 def overflowed(request, tmp_path_factory):
     """The script with --precision fp16 for STEPS steps whose step OVERFLOW_STEP overflows on rank 1, with a
     snapshot of each rank's training state after every step, and its checkpoints at HALF and STEPS kept. Returns

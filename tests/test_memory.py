@@ -113,7 +113,7 @@ def test_four_processes_each_hold_a_fraction_and_never_the_whole_model(single_gp
 
 
 def test_two_pipelines_shard_each_stage_over_its_replicas(single_gpu, tmp_path):
-    """pipeline.py on 4 processes as 2 pipelines of 2 stages (--replicate 2) against one pipeline of 2 stages on 2
+    """pipeline.py on 4 processes as 2 pipelines of 2 stages (--pipelines 2) against one pipeline of 2 stages on 2
     processes: the same stages, the same micro-batches of 1 sample, but each stage's weights, gradients and AdamW
     state sharded over its 2 replicas between steps. Within a step FSDP holds the stage's weights and gradients whole
     (torch's pipelining reduces the gradients once, after the last micro-batch), so what the sharding saves is AdamW's
@@ -123,7 +123,7 @@ def test_two_pipelines_shard_each_stage_over_its_replicas(single_gpu, tmp_path):
     device, and only the shards are allocated."""
     _, small = single_gpu
     one, _ = peaks("pipeline.py", 2, [*BIG, "--grad-accum", 8], tmp_path)
-    two, _ = peaks("pipeline.py", 4, [*BIG, "--grad-accum", 4, "--replicate", 2], tmp_path)
+    two, _ = peaks("pipeline.py", 4, [*BIG, "--grad-accum", 4, "--pipelines", 2], tmp_path)
     whole, outside_blocks, _ = big_model_sizes()
     stage = whole / 2 + outside_blocks
     one_training, two_training = one["end"] - small["end"], two["end"] - small["end"]

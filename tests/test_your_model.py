@@ -317,7 +317,7 @@ def test_a_resnet_trains_in_two_pipelines_from_its_constructors_values(runs, tmp
     pipeline.py on 2 pipelines of 2 stages, FIRST steps: its first evaluation (before any step, BatchNorm on its
     initial statistics) is single_gpu.py's, so every stage starts from the constructor's values; and it trains."""
     path = with_model("pipeline.py", tmp_path, "resnet")
-    result = run(path, *FLAGS, "--replicate", 2, "--max-steps", FIRST, "--log-dir", tmp_path / "tb", nproc=4,
+    result = run(path, *FLAGS, "--pipelines", 2, "--max-steps", FIRST, "--log-dir", tmp_path / "tb", nproc=4,
                  timeout=300)
     assert result.returncode == 0, result.output
     assert not WARNING.search(result.output), result.output
