@@ -179,13 +179,16 @@ class GPT(nn.Module):
 
     def init_tensor(self, name, value, generator):
         """Fill `value` with tensor `name`'s initial values, as GPT-2's: N(0, 0.02), biases 0."""
-        if isinstance(self.get_submodule(name.rpartition(".")[0]), nn.LayerNorm):
-            value.fill_(1.0 if name.endswith("weight") else 0.0)
-        elif name.endswith("bias"):
+        module, kind = self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        if isinstance(module, nn.LayerNorm) and kind in ("weight", "bias"):
+            value.fill_(1.0 if kind == "weight" else 0.0)
+        elif isinstance(module, nn.Linear) and kind == "bias":
             value.zero_()
-        else:
+        elif isinstance(module, (nn.Linear, nn.Embedding)) and kind == "weight":
             into_stream = name.endswith(("attn_out.weight", "mlp.2.weight"))  # 2 a block
             value.normal_(0.0, self.residual_std if into_stream else 0.02, generator=generator)
+        else:  # a buffer, or a layer of another kind: noise would be wrong, and silently
+            fail(f"init_tensor() has no values for {name}: give them, as for the others")
 
     def forward(self, tokens):  # embed(), the blocks, output(): a pipeline stage runs its parts
         x = self.embed(tokens)
@@ -206,7 +209,7 @@ def build_model(args, data_info):
         fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
     config = {"vocab_size": data_info["vocab_size"], "seq_len": args.seq_len,
               "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads}
-    return GPT(**config), config
+    return GPT(**config), {**config, "qkv": "by head"}  # its rows' order: q|k|v before 2026-11-28
 
 def loss_fn(logits, targets, reduction="mean"):
     """Cross-entropy of each prediction: logits (..., classes), targets (...)."""

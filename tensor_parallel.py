@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node=2 tensor_parallel.py  # --precision bf16 or fp16: 16 bits
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
-        --rdzv-id=JOB tensor_parallel.py --tensor-parallel 8      # split in nodes, shard across
+        --rdzv-id=JOB tensor_parallel.py                          # T: a node's, FSDP across
     tensorboard --logdir runs                     # loss, accuracy, learning rate, throughput
 """
 
@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                               loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
@@ -88,7 +88,7 @@ def parse_args():
     add_flag("--profile", action="store_true", help="trace steps 7 to 9 into --log-dir")
     add_flag("--timeout", type=number(float), default=300, help="seconds to wait for a stuck rank")
     add_flag("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="for compute")
-    add_flag("--tensor-parallel", type=number(int), help="T processes split each layer; None: all")
+    add_flag("--tensor-parallel", type=number(int), help="T split each layer; None: a node's all")
     add_flag("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     add_flag("--local-rank", "--local_rank", help=argparse.SUPPRESS)  # torch.distributed.launch's
     if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "RANK" not in os.environ:
@@ -195,13 +195,16 @@ class GPT(nn.Module):
 
     def init_tensor(self, name, value, generator):
         """Fill `value` with tensor `name`'s initial values, as GPT-2's: N(0, 0.02), biases 0."""
-        if isinstance(self.get_submodule(name.rpartition(".")[0]), nn.LayerNorm):
-            value.fill_(1.0 if name.endswith("weight") else 0.0)
-        elif name.endswith("bias"):
+        module, kind = self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        if isinstance(module, nn.LayerNorm) and kind in ("weight", "bias"):
+            value.fill_(1.0 if kind == "weight" else 0.0)
+        elif isinstance(module, nn.Linear) and kind == "bias":
             value.zero_()
-        else:
+        elif isinstance(module, (nn.Linear, nn.Embedding)) and kind == "weight":
             into_stream = name.endswith(("attn_out.weight", "mlp.2.weight"))  # 2 a block
             value.normal_(0.0, self.residual_std if into_stream else 0.02, generator=generator)
+        else:  # a buffer, or a layer of another kind: noise would be wrong, and silently
+            fail(f"init_tensor() has no values for {name}: give them, as for the others")
 
     def forward(self, tokens):  # embed(), the blocks, output(): a pipeline stage runs its parts
         x = self.embed(tokens)
@@ -222,7 +225,7 @@ def build_model(args, data_info):
         fail(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
     config = {"vocab_size": data_info["vocab_size"], "seq_len": args.seq_len,
               "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads}
-    return GPT(**config), config
+    return GPT(**config), {**config, "qkv": "by head"}  # its rows' order: q|k|v before 2026-11-28
 
 def loss_fn(logits, targets, reduction="mean"):
     """Cross-entropy of each prediction: logits (..., classes), targets (...)."""
@@ -246,17 +249,7 @@ def setup(args):
                         level=logging.INFO if dist.get_rank() == 0 else logging.WARNING)
     return device, dist.get_rank(), dist.get_world_size()
 
-SEQUENCE = Shard(1)  # of (batch, sequence, features): between layers, each rank some positions
-STYLES = {  # how tensor_plan's words split a layer, and what it passes on
-    "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-2),  # positions:
-                                 use_local_output=False),  # tok_emb's dim 1, pos_emb's dim 0
-    "norm": SequenceParallel(),  # whole weights: each rank normalizes its positions
-    "column": ColwiseParallel(input_layouts=SEQUENCE),  # gathers positions; own features, plain
-    "row": RowwiseParallel(output_layouts=SEQUENCE, use_local_output=False),  # reduce-scatters
-    "vocabulary": ColwiseParallel(input_layouts=SEQUENCE, output_layouts=Shard(-1),
-                                  use_local_output=False)}  # for loss_parallel: a share each
-
-def prepare_model(model, args, device):
+def prepare_model(model, args, device, sample):
     """Split every layer across a row of processes as the model's plan says, then shard it across
     the rows as fsdp.py does; then give each rank's shards their initial values."""
     if not hasattr(model, "blocks") and (args.compile or args.activation_checkpointing):
@@ -271,7 +264,19 @@ def prepare_model(model, args, device):
     mesh = DeviceMesh.from_group([sharding, tensor_parallel], device.type, mesh=grid,
                                  mesh_dim_names=("shard", "tensor"))
     plan = {name: STYLES[style] for name, style in model.tensor_plan.items()}
+    tied = {}  # a parameter two modules share (a head tied to the embedding): each gets its own
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(param, []).append(name)
     parallelize_module(model, mesh["tensor"], plan)  # first: FSDP then shards its DTensors
+    for first, name in ((names[0], name) for names in tied.values() for name in names[1:]):
+        if model.get_parameter(name).placements != model.get_parameter(first).placements:
+            fail(f"{name} is tied to {first}, but the tensor_plan splits them differently")
+        parent, _, attr = name.rpartition(".")  # tied again: split alike, by rows (a "vocabulary"
+        setattr(model.get_submodule(parent), attr, model.get_parameter(first))  # an "embedding")
+    try:  # a forward pass on the meta device: whatever else T must divide (key and value heads)
+        model(sample.new_empty((1, *sample.shape), device=next(model.parameters()).device))
+    except Exception as error:  # noqa: BLE001  the model's own, of any kind: a view, a shape
+        fail(f"--tensor-parallel {t} does not split this model: {str(error).splitlines()[0]}")
     # torch warns once that clipping's norm takes an all-reduce on each mesh dimension: harmless.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh = mesh["shard"]  # FSDP shards across the rows: a column's N/T processes, one part each
@@ -289,6 +294,22 @@ def prepare_model(model, args, device):
         model.to_empty(device=device)  # allocates this rank's shards, uninitialised
     init_weights(model, args.seed)
     return model.to(device)
+
+class Norm(ParallelStyle):  # "norm": its output, which column layers alone read, gathered once
+    def _apply(self, module, mesh):  # (ParallelStyle's one method, which parallelize_module calls)
+        parallelize_module(module, mesh, SequenceParallel())  # whole weights, each rank's positions
+        module.register_forward_hook(lambda module, args, output: output.redistribute(
+            placements=[Replicate()]))  # all positions, for q, k and v (gate and up) to share
+        return module
+
+STYLES = {  # how tensor_plan's words split a layer, and what it passes on
+    "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-2),  # positions:
+                                 use_local_output=False),  # tok_emb's dim 1, pos_emb's dim 0
+    "norm": Norm(),  # its own positions in, all out: the columns after it gather nothing
+    "column": ColwiseParallel(),  # all positions in, own features out (plain)
+    "row": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),  # reduce-scattered to
+    # each rank's positions (of (batch, sequence, features), dim 1)
+    "vocabulary": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}  # a share each
 
 @torch.no_grad()
 def init_weights(model, seed):
@@ -308,7 +329,7 @@ def init_weights(model, seed):
 
 def tensor_parallel_size(args, world_size):
     """T, the processes that split each layer: a row of the mesh. N/T rows shard the blocks."""
-    t = args.tensor_parallel or world_size
+    t = args.tensor_parallel or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # a node's
     if world_size % t:
         fail(f"--tensor-parallel {t} does not divide {world_size} processes evenly")
     for flag in ("n_heads", "seq_len"):  # whole heads and positions a process (no flag: no check)
@@ -431,6 +452,8 @@ def train_step(model, optimizer, step, scaler, micro_batches, args, device):
             scaler.scale(loss).backward()  # reduce-scatters: each rank keeps its gradients' shard
         total_loss += loss.detach()
     scaler.unscale_(optimizer)  # the true gradients, to clip; an inf on any rank's shard counts
+    for found in scaler._found_inf_per_device(optimizer).values() if scaler.is_enabled() else []:
+        dist.all_reduce(found, dist.ReduceOp.MAX)  # all ranks': DTensor's sees the first's split
     if args.grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     for group in optimizer.param_groups:  # from the step and the flags: a resume follows its own
@@ -455,9 +478,14 @@ def evaluate(model, loader, device):
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, predictions
     for inputs, targets in loader:
         inputs, targets = (t.to(device, non_blocking=True) for t in (inputs, targets))
-        outputs = model(inputs).full_tensor()  # all the vocabulary: argmax needs it
-        totals[0] += loss_fn(outputs, targets, reduction="sum")
-        totals[1] += (outputs.argmax(-1) == targets).sum()
+        outputs = model(inputs)
+        with loss_parallel():  # from each rank's share of the vocabulary (whole: T times as large)
+            totals[0] += loss_fn(outputs, targets, reduction="sum").to_local()
+        mesh, (best, index) = outputs.device_mesh, outputs.to_local().max(-1, keepdim=True)
+        index += mesh.get_local_rank() * math.ceil(outputs.shape[-1] / mesh.size())  # in the whole
+        best, index = (DTensor.from_local(t, mesh, [Shard(-1)]).full_tensor()  # every share's
+                       for t in (best, index))
+        totals[1] += (index.gather(-1, best.argmax(-1, keepdim=True)).squeeze(-1) == targets).sum()
         totals[2] += targets.numel()
     model.train()
     dist.all_reduce(totals)  # each rank evaluated its share: add up the sums
@@ -550,7 +578,7 @@ def main(args):
         model, config = build_model(args, data_info)
     if not hasattr(model, "init_tensor"):  # its values come from its constructor: whole, then shard
         model, config = build_model(args, data_info)
-    wrapped_model = prepare_model(model, args, device)  # evaluation and checkpoints use `model`
+    wrapped_model = prepare_model(model, args, device, train_set[0][0])  # the others use `model`
     optimizer = configure_optimizer(model, args)
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     extras = {"scaler": scaler}  # checkpointed beside the model and the optimizer

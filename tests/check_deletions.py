@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAINING, BAD_INPUT, SPEED = "tests/test_training.py", "tests/test_bad_input.py", "tests/test_speed.py"
 FSDP, PIPELINE, AMP = "tests/test_fsdp.py", "tests/test_pipeline.py", "tests/test_amp.py"
 PREEMPTION, LAUNCHER = "tests/test_preemption.py", "tests/test_launcher.py"
-TP = "tests/test_tensor_parallel.py"
+TP, YOUR_MODEL = "tests/test_tensor_parallel.py", "tests/test_your_model.py"
 RESUME = f"{TRAINING}::test_resume_matches_an_uninterrupted_run_bit_for_bit"
 SAME_AS_SINGLE = f"{TRAINING}::test_same_parameters_and_losses_as_single_gpu"
 STOP = f"{PREEMPTION}::test_stop_signal_saves_at_the_documented_step_and_the_rerun_ends_bit_for_bit"
@@ -172,6 +172,23 @@ DELETIONS = [
     ("tensor_parallel.py", "tensor_parallel, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)",
      "tensor_parallel, _ = dist.new_subgroups_by_enumeration(grid.tolist())",
      f"{TP}::test_two_rows_of_two_train_like_one_process"),
+    # Models no one here wrote (issue 64).
+    ("tensor_parallel.py", "setattr(model.get_submodule(parent), attr, model.get_parameter(first))", None,
+     f"{YOUR_MODEL}::test_a_llama_shaped_model_trains_in_every_script[tensor_parallel.py]"),  # untied: more weights
+    ("tensor_parallel.py", "model(sample.new_empty((1, *sample.shape), device=next(model.parameters()).device))",
+     None, f"{TP}::test_what_a_model_cannot_split_is_refused"),
+    ("tensor_parallel.py", "module.register_forward_hook(lambda module, args, output: output.redistribute(", None,
+     f"{TP}::test_one_gather_a_norm_the_llama_runs_no_more_collectives_than_the_gpt"),
+    ("tensor_parallel.py", "dist.all_reduce(found, dist.ReduceOp.MAX)  # all ranks'", None,
+     f"{AMP}::test_an_inf_in_a_split_gradient_skips_every_rank_whatever_the_first_parameter"),
+    ("tensor_parallel.py", "best, index = (DTensor.from_local(t, mesh, [Shard(-1)]).full_tensor()",
+     "best, index = best.squeeze(-1).unsqueeze(-1), index",
+     f"{YOUR_MODEL}::test_a_llama_shaped_model_trains_in_every_script[tensor_parallel.py]"),  # its accuracy
+    ("single_gpu.py", 'fail(f"init_tensor() has no values for {name}: give them, as for the others")',
+     "value.normal_(0.0, 0.02, generator=generator)",
+     f"{BAD_INPUT}::test_init_tensor_refuses_a_tensor_it_does_not_know"),
+    ("single_gpu.py", 'return GPT(**config), {**config, "qkv": "by head"}', "return GPT(**config), config",
+     f"{BAD_INPUT}::test_a_checkpoint_of_the_old_qkv_layout_is_refused_and_kept"),
     ("tensor_parallel.py", 'logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)',
      None, f"{TRAINING}::test_trains_logs_and_checkpoints[tensor_parallel.py]"),
 ]

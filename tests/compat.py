@@ -1,7 +1,7 @@
 """Which torch releases run which scripts. For each release: a virtual environment of its own, installed from the
-package registry (or an interpreter you name), then every script with 2 processes on the CPU: a run that trains 8
-steps and checkpoints, then a run that resumes from that checkpoint and finishes, each under a timeout. Prints a
-Markdown table, a row per release.
+package registry (or an interpreter you name), then every script with 2 processes on the CPU, and the 2-D and 16-bit
+layouts in CONFIGS on 4: a run that trains 8 steps and checkpoints, then a run that resumes from that checkpoint and
+finishes, each under a timeout. Prints a Markdown table, a row per release.
 
     python tests/compat.py                                   # the releases in RELEASES, venvs under /tmp
     python tests/compat.py 2.11.0 2.15.0 --venvs ~/torch-venvs
@@ -20,6 +20,12 @@ import tempfile
 from pathlib import Path
 
 from conftest import ROOT, SCRIPTS, TINY, command, run_command
+
+# Beyond each script's defaults: what else the releases must run, with its processes. Hybrid sharding, 2 pipelines of 2
+# stages in fp16, two stages a process under zero-bubble, tensor parallelism on 2 rows of 2 in bf16, fp16 with a scaler.
+CONFIGS = {**dict.fromkeys(SCRIPTS, 2), "fsdp.py --replicate 2": 4, "pipeline.py --pipelines 2 --precision fp16": 4,
+           "pipeline.py --stages-per-process 2 --n-layers 4 --schedule zero-bubble": 2,
+           "tensor_parallel.py --tensor-parallel 2 --precision bf16": 4, "ddp_amp.py --precision fp16": 2}
 
 # The floor of every script (requirements.txt: torch>=2.10) and the release before it, every release since, and the
 # newest on the registry when last measured.
@@ -45,12 +51,13 @@ def version(python):
     return found.stdout.split("+")[0].strip() if found.returncode == 0 else None
 
 
-def smoke(script, python, timeout):
-    """'ok' if the script trains, checkpoints, resumes and exits twice; else what went wrong, in a few words."""
+def smoke(config, python, timeout):
+    """'ok' if the config trains, checkpoints, resumes and exits twice; else what went wrong, in a few words."""
+    script, *flags = config.split()
     with tempfile.TemporaryDirectory() as tmp:
         for max_steps, expected in [(8, "saving"), (12, "resumed from")]:  # TINY checkpoints every 8 steps
-            argv = command(script, python=str(python)) + [*TINY, "--max-steps", str(max_steps), "--ckpt-dir",
-                                                         f"{tmp}/ckpt", "--log-dir", f"{tmp}/tb"]
+            argv = command(script, CONFIGS[config], python=str(python)) + [
+                *TINY, *flags, "--max-steps", str(max_steps), "--ckpt-dir", f"{tmp}/ckpt", "--log-dir", f"{tmp}/tb"]
             result = run_command(argv, timeout=timeout, fail_on_hang=False)
             what = "resume" if expected == "resumed from" else "first run"
             if result.returncode is None:
@@ -75,8 +82,8 @@ def main():
     args = parser.parse_args()
     releases = args.releases or ([] if args.python else RELEASES)
     os.chdir(ROOT)
-    print("| torch | " + " | ".join(script[:-3] for script in SCRIPTS) + " |")
-    print("| --- " * (len(SCRIPTS) + 1) + "|")
+    print("| torch | " + " | ".join(f"`{config}`" for config in CONFIGS) + " |")
+    print("| --- " * (len(CONFIGS) + 1) + "|")
     for python in args.python:
         row(version(python) or f"{python}: no torch", python, args.timeout)
     for release in releases:
@@ -85,7 +92,7 @@ def main():
 
 
 def row(release, python, timeout):
-    print(f"| {release} | " + " | ".join(smoke(script, python, timeout) for script in SCRIPTS) + " |", flush=True)
+    print(f"| {release} | " + " | ".join(smoke(config, python, timeout) for config in CONFIGS) + " |", flush=True)
 
 
 if __name__ == "__main__":

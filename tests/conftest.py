@@ -318,6 +318,14 @@ def halfway(tmp_path_factory):
     return Runs(tmp_path_factory, "--max-steps", HALF, "--lr-decay-steps", STEPS)
 
 
+@pytest.fixture(scope="session")
+def llamas(tmp_path_factory):
+    """The Llama-shaped model of tests/test_your_model.py, trained once in each script a test asks for."""
+    from test_your_model import LlamaRuns
+
+    return LlamaRuns(tmp_path_factory)
+
+
 def resume_in(run, directory):
     """A copy of `run`'s checkpoint directory at `directory`, to resume in: the shared run stays as it was."""
     assert run.run.returncode == 0, run.run.output

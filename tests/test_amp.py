@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import HALF, STEPS, TINY, WARNING, adam_state, injected, load, resume_in, run, scalars
+from conftest import HALF, ROOT, STEPS, TINY, WARNING, adam_state, injected, load, resume_in, run, scalars
 
 # bf16 keeps 8 significant bits: rounding one number to bf16 changes it by up to 2^-8 relative (its unit
 # roundoff). The loss after training in 16 bits must stay within one such rounding of fp32's: closer than bf16
@@ -21,7 +21,8 @@ OVERFLOW_STEP = 2
 # Run in every process of a run. Under DDP, rank 1's first micro-batch of step OVERFLOW_STEP has its loss scaled
 # by inf (its gradients turn inf and NaN, and DDP's all-reduce carries them to every rank). Under FSDP, where each
 # rank holds a shard of the gradients, an inf is written into rank 1's shard of the first parameter alone, after
-# the reduce-scatter: rank 0's own shards stay finite, and it must skip the step all the same. In pipeline.py rank
+# the reduce-scatter (OVERFLOW_PARAM: into another parameter's): rank 0's own shards stay finite, and it must skip the
+# step all the same. In pipeline.py rank
 # 1 is the last stage: the inf is on one stage alone, and the first must skip too. After each step's
 # scaler.update(), each process saves its weights, AdamW's state (its shards, under FSDP) and scale to SNAPSHOT_DIR.
 OVERFLOW = """
@@ -41,7 +42,7 @@ def overflowing_scale(self, outputs):
 
 def overflowing_unscale(self, optimizer):
     if os.environ["OVERFLOW_IN"] == "shard" and rank == 1 and len(updates) == at:
-        local(optimizer.param_groups[0]["params"][0].grad).view(-1)[0] = float("inf")
+        local(optimizer.param_groups[0]["params"][int(os.environ.get("OVERFLOW_PARAM", 0))].grad).view(-1)[0] = float("inf")
     return unscale(self, optimizer)
 
 def noting_step(self, optimizer, *args, **kwargs):
@@ -123,6 +124,16 @@ def test_an_overflowing_step_changes_nothing_and_halves_the_scale(overflowed):
     step count as they were (under FSDP each rank's own shards, and rank 0's gradients were finite), the scale
     halves on every rank, and the next step trains again."""
     script, _, nproc, out = overflowed
+    snapshots = every_rank_skipped(out, nproc)
+    assert all(snapshots[rank, OVERFLOW_STEP - 1]["scale"] == 2.0**16 for rank in range(nproc))  # none before
+    for step in range(OVERFLOW_STEP - 1, OVERFLOW_STEP + 2) if script == "ddp_amp.py" else []:  # replicas
+        assert all(torch.equal(a, b) for a, b in zip(snapshots[0, step]["weights"], snapshots[1, step]["weights"]))
+    assert load(out / "ckpt")["scaler"]["scale"] == 2.0**15  # and no skip since: the run trained on
+
+
+def every_rank_skipped(out, nproc):
+    """Check OVERFLOW's snapshots in `out`: on every rank step OVERFLOW_STEP was skipped (weights and AdamW's state
+    as before it), the scale halved, and the next step taken; return them, {(rank, step): snapshot}."""
     snapshots = {(rank, step): torch.load(out / "snapshots" / f"rank{rank}-step{step}.pt", weights_only=True)
                  for rank in range(nproc) for step in range(OVERFLOW_STEP - 1, OVERFLOW_STEP + 2)}
 
@@ -137,10 +148,38 @@ def test_an_overflowing_step_changes_nothing_and_halves_the_scale(overflowed):
         for what in "weights", "adamw":
             assert same(before[what], skipped[what], what), (rank, what)
             assert not same(skipped[what], after[what], what), (rank, what)  # the next step is taken
-        assert (before["scale"], skipped["scale"], after["scale"]) == (2.0**16, 2.0**15, 2.0**15), rank
-    for step in range(OVERFLOW_STEP - 1, OVERFLOW_STEP + 2) if script == "ddp_amp.py" else []:  # replicas
-        assert same(snapshots[0, step]["weights"], snapshots[1, step]["weights"], "weights"), step
-    assert load(out / "ckpt")["scaler"]["scale"] == 2.0**15  # and no skip since: the run trained on
+        assert (skipped["scale"], after["scale"]) == (before["scale"] / 2, before["scale"] / 2), rank
+    return snapshots
+
+
+# tensor_parallel.py's GPT with a Linear before its blocks, registered first and planned "norm" (whole weights on every
+# rank of a row, each rank its positions): the first parameter AdamW and the loss scaler see is then whole on both
+# ranks, and DTensor's own check of the gradients reduces its flag over the dimensions where that first gradient is
+# split, here none.
+FIRST_WHOLE = [("        self.tok_emb = nn.Embedding(vocab_size, d_model)\n",
+                "        self.pre = nn.Linear(d_model, d_model)\n        self.tok_emb = nn.Embedding(vocab_size, d_model)\n"),
+               ('"tok_emb": "embedding",', '"pre": "norm", "tok_emb": "embedding",'),
+               ("return self.tok_emb(tokens) + self.pos_emb(positions)",
+                "return self.pre(self.tok_emb(tokens) + self.pos_emb(positions))")]
+
+
+def test_an_inf_in_a_split_gradient_skips_every_rank_whatever_the_first_parameter(tmp_path):
+    """The model's first parameter whole on both ranks; an inf in rank 1's half of the token embedding's gradient
+    (its second), at step OVERFLOW_STEP: both ranks skip the step and halve the scale, as every other fp16 run does
+    (the script reduces the flag over every rank itself)."""
+    source = (ROOT / "tensor_parallel.py").read_text()
+    for old, new in FIRST_WHOLE:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    (tmp_path / "tensor_parallel.py").write_text(source)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "snapshots").mkdir()
+    env = {**injected(tmp_path / "site", OVERFLOW), "OVERFLOW_STEP": str(OVERFLOW_STEP), "OVERFLOW_IN": "shard",
+           "OVERFLOW_PARAM": "1", "SNAPSHOT_DIR": str(tmp_path / "snapshots")}
+    result = run(tmp_path / "tensor_parallel.py", *TINY, "--max-steps", OVERFLOW_STEP + 2, "--precision", "fp16",
+                 "--log-dir", tmp_path / "tb", env=env)
+    assert result.returncode == 0, result.output
+    every_rank_skipped(tmp_path, 2)
 
 
 def test_resume_matches_an_uninterrupted_run_bit_for_bit(overflowed, tmp_path):

@@ -5,6 +5,8 @@ import re
 import sys
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from conftest import (ROOT, STEPS, TINY, TORCHRUN, checkpoints, error_lines, fails_cleanly, import_script, injected,
                       load, resume_in, run_command)
@@ -83,6 +85,20 @@ def section_refuses(args, build, monkeypatch):
     return stop.value.code
 
 
+def test_init_tensor_refuses_a_tensor_it_does_not_know(monkeypatch):
+    """The GPT's init_tensor(), the one a user copies, draws what it knows by layer and name; a buffer (rotary
+    frequencies, say) or a layer of another kind it refuses, rather than fill it with N(0, 0.02) noise, as it did
+    until 2026-11-29, in every script alike, silently."""
+    def added_buffer(module, args):
+        model, _ = module.build_model(args, {"vocab_size": 256})
+        model.blocks["1"].register_buffer("inv_freq", torch.ones(4), persistent=False)
+        module.init_weights(model, 0)
+
+    message = section_refuses([], added_buffer, monkeypatch)
+    assert message == "single_gpu.py: error: init_tensor() has no values for blocks.1.inv_freq: give them, as for " \
+                      "the others"
+
+
 def test_heads_must_divide_the_width(monkeypatch):
     message = section_refuses(["--n-heads", 3], lambda module, args: module.build_model(args, {"vocab_size": 256}),
                               monkeypatch)
@@ -158,11 +174,27 @@ def files(directory):
 def test_checkpoint_of_another_model_size_is_refused_and_kept(trained, script, tmp_path):
     ckpt_dir = resume_in(trained["single_gpu.py"], tmp_path / "ckpt")
     before = files(ckpt_dir)
-    config = "{'vocab_size': 256, 'seq_len': 16, 'd_model': %d, 'n_layers': 2, 'n_heads': 2}"
+    config = "{'vocab_size': 256, 'seq_len': 16, 'd_model': %d, 'n_layers': 2, 'n_heads': 2, 'qkv': 'by head'}"
     # --d-model 64 after the checkpoint's 32 (argparse keeps the last of a repeated flag).
     result = fails_cleanly(script, ["--d-model", 64, "--ckpt-dir", ckpt_dir, "--max-steps", 2 * STEPS],
                            f"cannot resume from {ckpt_dir}/step-{STEPS:06d}: it holds a model {config % 32}, this run "
                            f"builds {config % 64}")
+    assert "step " not in result.output, result.output
+    assert files(ckpt_dir) == before
+
+
+def test_a_checkpoint_of_the_old_qkv_layout_is_refused_and_kept(trained, tmp_path):
+    """Until 2026-11-28 qkv's rows were q|k|v, all heads' q first (GPT-2's layout); read head by head the same
+    weights are another model, which would resume with no error and train on, wrong. A checkpoint's config now
+    names the layout: one saved before, without it, is refused in one line."""
+    state = load(trained["single_gpu.py"].ckpt_dir)
+    del state["config"]["qkv"]  # as the config was
+    ckpt_dir = tmp_path / "ckpt"
+    dcp.save(state, checkpoint_id=ckpt_dir / f"step-{STEPS:06d}")
+    before = files(ckpt_dir)
+    result = fails_cleanly("single_gpu.py", ["--ckpt-dir", ckpt_dir, "--max-steps", 2 * STEPS],
+                           f"cannot resume from {ckpt_dir}/step-{STEPS:06d}: ")
+    assert "config.qkv" in error_lines("single_gpu.py", result.output)[0], result.output
     assert "step " not in result.output, result.output
     assert files(ckpt_dir) == before
 

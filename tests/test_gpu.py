@@ -10,8 +10,10 @@ both pipeline schedules, --workers with pinned memory, --profile and a stop sign
 enough for whole percents, MFU is FLOP/s over the datasheet's peak that this file writes down; saves stage into
 pinned host memory that the next save reuses. The runs are independent and small, so they share the GPU: a pool
 runs them side by side, and each test waits for its own. With two GPUs or more, the distributed scripts also
-train on two NCCL processes and dataparallel.py on every GPU, and end near single_gpu.py's weights, and fsdp.py's
-start-up puts no whole parameter on a GPU."""
+train on two NCCL processes and dataparallel.py on every GPU, and end near single_gpu.py's weights; fsdp.py's
+start-up puts no whole parameter on a GPU; and SEVERAL's configs (hybrid sharding, interleaved stages with
+micro-batches beyond NCCL's buffer, 16 bits under tensor parallelism and, on 4 GPUs, on 2 pipelines of 2 stages)
+train, resume bit for bit over NCCL and never wait in a step."""
 
 import argparse
 import io
@@ -52,6 +54,15 @@ COMPILED = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py", "ddp_torchrun.py
 # One script of each way a state dict is gathered (the model itself, FSDP's shards, a pipeline's stages): the
 # checkpoint format is the same in every script.
 MOVED = ["single_gpu.py", "fsdp.py", "pipeline.py --schedule gpipe"]
+# On several GPUs, over NCCL, each (config, processes) trains and resumes bit for bit, never waiting in a step: DDP;
+# hybrid sharding; stages interleaved on 2 processes whose micro-batch, 16 MiB of fp32 activations, exceeds NCCL's
+# buffer (4 MiB), so that a send waits for its receive (an evaluation that issued them in another order on the two
+# ranks would hang); tensor parallelism in fp16; 2 pipelines of 2 stages in fp16 and in bf16.
+BIG_ACTIVATIONS = "--d-model 1024 --n-heads 16 --seq-len 1024 --n-layers 4 --batch-size 8 --grad-accum 2"
+SEVERAL = [("ddp_torchrun.py", 2), ("fsdp.py --replicate 2", 2),
+           (f"pipeline.py --stages-per-process 2 {BIG_ACTIVATIONS}", 2),
+           ("tensor_parallel.py --tensor-parallel 2 --precision fp16", 2),
+           ("pipeline.py --pipelines 2 --precision fp16", 4), ("pipeline.py --pipelines 2 --precision bf16", 4)]
 
 # Deterministic kernels only: an operation without a deterministic one raises (cuBLAS needs its workspace fixed too).
 # Two checks that a step which does not log never waits for the GPU. Torch's sync debug mode: from the first batch
@@ -123,16 +134,19 @@ def gpu_run(config, *args, nproc=1, env=None, timeout=300):
     return run(script, *flags, *args, nproc=nproc, env=env or ON_THE_GPU, timeout=timeout)
 
 
-def train_and_resume(config, tmp):
+def train_and_resume(config, tmp, nproc=1):
     """An uninterrupted run; one that stops half-way and one that resumes it on the GPU; for MOVED, the half-way
     checkpoint resumed on the CPU, and a half on the CPU resumed on the GPU. {name: run}"""
     env = checked(tmp, CHECK_FROM)
-    runs = {"whole": gpu_run(config, *FLAGS, "--ckpt-dir", tmp / "whole", "--log-dir", tmp / "tb-whole", env=env)}
+    runs = {"whole": gpu_run(config, *FLAGS, "--ckpt-dir", tmp / "whole", "--log-dir", tmp / "tb-whole", env=env,
+                             nproc=nproc)}
     half = [*FLAGS, "--max-steps", STEPS // 2]  # the last --max-steps wins
-    runs["half"] = gpu_run(config, *half, "--ckpt-dir", tmp / "parts", "--log-dir", tmp / "tb-half", env=env)
+    runs["half"] = gpu_run(config, *half, "--ckpt-dir", tmp / "parts", "--log-dir", tmp / "tb-half", env=env,
+                           nproc=nproc)
     if config in MOVED:
         shutil.copytree(tmp / "parts", tmp / "to-cpu")
-    runs["rest"] = gpu_run(config, *FLAGS, "--ckpt-dir", tmp / "parts", "--log-dir", tmp / "tb-rest", env=env)
+    runs["rest"] = gpu_run(config, *FLAGS, "--ckpt-dir", tmp / "parts", "--log-dir", tmp / "tb-rest", env=env,
+                           nproc=nproc)
     if config in MOVED:
         runs["cpu rest"] = gpu_run(config, *FLAGS, "--ckpt-dir", tmp / "to-cpu", "--log-dir", tmp / "tb-cpu-rest",
                                    env=ON_THE_CPU)
@@ -188,19 +202,20 @@ def runs(request, tmp_path_factory):
     {key: (future, its directory)}."""
     jobs = {"train": train_and_resume, "compile": compiled, "profile": profiled, "stop": stopped, "wide": wide}
     kinds = {"test_trains_resumes_bit_for_bit_and_never_waits_in_a_step": "train",
+             "test_on_several_gpus_trains_and_resumes_bit_for_bit_and_never_waits_in_a_step": "train",
              "test_checkpoints_hold_no_cuda_tensor_and_move_between_the_gpu_and_the_cpu": "train",
              "test_compiled_trains_without_waiting_in_a_step": "compile",
              "test_profile_traces_the_gpus_kernels": "profile", "test_stop_signal_saves_and_exits_75": "stop",
              "test_mfu_is_model_flops_over_the_datasheets_peak": "wide"}
     keys = {(kinds[item.originalname], *item.callspec.params.values()) for item in request.session.items
-            if item.originalname in kinds}
+            if item.originalname in kinds and item.callspec.params.get("nproc", 1) <= GPUS}
     root = tmp_path_factory.mktemp("gpu")
     with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() // 2))) as pool:
         started = {}
-        for i, (kind, argument) in enumerate(sorted(keys)):
+        for i, (kind, argument, *nproc) in enumerate(sorted(keys)):
             directory = root / f"{kind}-{i}"
             directory.mkdir()
-            started[kind, argument] = pool.submit(jobs[kind], argument, directory), directory
+            started[kind, argument, *nproc] = pool.submit(jobs[kind], argument, directory, *nproc), directory
         yield started
 
 
@@ -279,9 +294,18 @@ def test_trains_resumes_bit_for_bit_and_never_waits_in_a_step(runs, config):
     assert last < first - LOSS_DROP, whole.output
     assert_mfu_against_the_datasheet(config, whole.output, tmp / "tb-whole")
     for name in ("whole", "half", "rest"):
-        waits = re.findall(rf"^rank 0: host waits in steps {PROFILED} to {PROFILED + 2}: (.*)$", result[name].output,
-                           re.MULTILINE)
-        assert waits == ["none"], f"the {name} run:\n{result[name].output}"
+        assert host_waits(result[name].output) == ["none"], f"the {name} run:\n{result[name].output}"
+    assert_resumed_bit_for_bit(tmp)
+
+
+def host_waits(output, nproc=1):
+    """What each rank printed of the host waits GPU_CHECKS' profiler saw in steps PROFILED to PROFILED + 2."""
+    return [wait for rank in range(nproc) for wait in
+            re.findall(rf"^rank {rank}: host waits in steps {PROFILED} to {PROFILED + 2}: (.*)$", output, re.MULTILINE)]
+
+
+def assert_resumed_bit_for_bit(tmp):
+    """The run resumed half-way (in `parts`) ends on the uninterrupted run's weights and AdamW state, bit for bit."""
     resumed, uninterrupted = load(tmp / "parts"), load(tmp / "whole")
     assert resumed["step"] == uninterrupted["step"] == STEPS
     difference = max_param_diff(resumed["model"], uninterrupted["model"])
@@ -289,6 +313,23 @@ def test_trains_resumes_bit_for_bit_and_never_waits_in_a_step(runs, config):
         f"the resumed run's weights differ by up to {difference:.3g}"
     assert resumed["optimizer"].keys() == uninterrupted["optimizer"].keys()
     assert all(torch.equal(a, b) for a, b in zip(tensors(resumed["optimizer"]), tensors(uninterrupted["optimizer"])))
+
+
+@pytest.mark.parametrize("config, nproc", SEVERAL)
+def test_on_several_gpus_trains_and_resumes_bit_for_bit_and_never_waits_in_a_step(runs, config, nproc):
+    if nproc > GPUS:
+        pytest.skip(f"{nproc} processes need {nproc} GPUs")
+    future, tmp = runs["train", config, nproc]
+    result = future.result()
+    for name, done in result.items():
+        assert done.returncode == 0, f"the {name} run:\n{done.output}"
+        assert host_waits(done.output, nproc) == ["none"] * nproc, f"the {name} run:\n{done.output}"
+    assert on_the_gpu(result["whole"].output), result["whole"].output
+    assert re.search(r"^resumed from \S+/step-000020 at step 20$", result["rest"].output, re.MULTILINE)
+    first, last = losses(tmp / "tb-whole")
+    print(f"\n{config} on {nproc} GPUs: loss {first:.4f} -> {last:.4f}")
+    assert last < first - LOSS_DROP, result["whole"].output
+    assert_resumed_bit_for_bit(tmp)
 
 
 @pytest.mark.parametrize("config", MOVED)
@@ -316,6 +357,7 @@ def test_compiled_trains_without_waiting_in_a_step(runs, script):
     future, tmp = runs["compile", script]
     result = future.result()
     assert result.returncode == 0 and on_the_gpu(result.output), result.output
+    assert host_waits(result.output) == ["none"], result.output
     first, last = losses(tmp / "tb")
     print(f"\n{script} --compile: loss {first:.4f} -> {last:.4f}")
     assert last < first - LOSS_DROP, result.output

@@ -14,10 +14,11 @@ import shutil
 import pytest
 import torch
 
-from conftest import (HALF, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, fails_cleanly, import_script, load, max_param_diff,
-                      run, scalars, trains_compiled_like_eager)
+from conftest import (HALF, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, error_lines, fails_cleanly, import_script,
+                      injected, load, max_param_diff, run, scalars, trains_compiled_like_eager)
 from test_fsdp import COUNT_ATTENTION, measured, trained_in_bf16
 from test_training import LOSS_ATOL
+from test_your_model import LLAMA, LLAMA_FLAGS, TENSOR_PARALLEL_PROBES, with_model_section
 
 SCRIPT = "tensor_parallel.py"
 
@@ -127,7 +128,7 @@ def test_compiled_blocks_train_like_eager(trained, tmp_path):
     ({"tensor_parallel": None, "n_heads": 6}, 4, "--tensor-parallel 4 does not divide --n-heads 6")])
 def test_what_cannot_be_split_is_refused(flags, world_size, message):
     """T must divide the processes into rows, and each process must hold whole heads and whole positions; T's
-    default is every process."""
+    default is the processes of a node (here all, without torchrun's LOCAL_WORLD_SIZE)."""
     args = argparse.Namespace(**{"tensor_parallel": None, "n_heads": 12, "seq_len": 48, **flags})
     size = import_script(SCRIPT).tensor_parallel_size
     if message is None:
@@ -170,3 +171,68 @@ def test_two_heads_a_process_need_qkv_stored_head_by_head(tmp_path):
     print(f"\n2 heads a process, from one process's weights: stored head by head {same:.2g}, q|k|v {cut:.2g}")
     assert same <= PARAM_ATOL
     assert cut > 1e-3
+
+
+def test_t_defaults_to_the_processes_of_one_node(monkeypatch):
+    """On 2 nodes of 2 processes (torchrun's LOCAL_WORLD_SIZE 2), T is 2: each layer split within a node, FSDP
+    across the nodes, as the README advises, without a flag."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    args = argparse.Namespace(tensor_parallel=None, n_heads=12, seq_len=48)
+    assert import_script(SCRIPT).tensor_parallel_size(args, 4) == 2
+
+
+def probes(directory):
+    """What TENSOR_PARALLEL_PROBES wrote in `directory`, for each of 2 ranks."""
+    return [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def second_step(probed):
+    """Each collective's count in a rank's second training step (no evaluation in it), from its running counts."""
+    first, second = probed["steps"][:2]
+    return {name: count - first.get(name, 0) for name, count in second.items() if count > first.get(name, 0)}
+
+
+def test_one_gather_a_norm_the_llama_runs_no_more_collectives_than_the_gpt(llamas, tmp_path):
+    """A "norm" gathers its output's positions once for the column layers it feeds: the Llama's q, k and v (gate and
+    up), separate Linears called by keyword, split without a gather each. In its second step, against the GPT's
+    (whose qkv and MLP's first are one Linear each): no more all-gathers and reduce-scatters of activations, where
+    columns that gathered their own inputs ran 5 a block for the GPT's 2."""
+    (tmp_path / "site").mkdir()
+    env = {**injected(tmp_path / "site", TENSOR_PARALLEL_PROBES), "PROBES": str(tmp_path)}
+    result = run(SCRIPT, *TINY, "--max-steps", 2, "--log-dir", tmp_path / "tb", env=env)
+    assert result.returncode == 0, result.output
+    gpt, llama = second_step(probes(tmp_path)[0]), second_step(probes(llamas[SCRIPT][3] / "probes")[0])
+    print(f"\none step, 2 blocks, collectives: the GPT {gpt}, the Llama {llama}")
+    activations = ("all_gather_into_tensor", "reduce_scatter_tensor")
+    assert all(gpt[name] > 0 for name in activations), gpt
+    assert all(llama.get(name, 0) <= gpt[name] for name in activations), (llama, gpt)
+
+
+def test_evaluation_holds_a_share_of_the_logits(llamas):
+    """Evaluation takes the loss from each rank's share of the vocabulary (as loss_parallel() does in training) and
+    the accuracy from each share's best logit: what it makes whole is, for each prediction of a forward pass (4
+    sequences of 16), the T shares' best logits and their indices (4 x 16 x 2), not its logits (4 x 16 x 256); and
+    validation is single_gpu.py's (test_a_llama_shaped_model_trains_in_every_script)."""
+    held = [rank["evaluation's whole tensor"] for rank in probes(llamas[SCRIPT][3] / "probes")]
+    print(f"\nthe largest tensor evaluation made whole, on each rank: {held}")
+    assert held == [4 * 16 * 2] * 2, held
+
+
+@pytest.mark.parametrize("change, message", [
+    (("n-kv-heads", 1), "--tensor-parallel 2 does not split this model: shape '[1, 16, -1, 8]' is invalid"),
+    (('"head": "vocabulary"', '"head": "row"'),
+     "head.weight is tied to embed_tokens.weight, but the tensor_plan splits them differently")])
+def test_what_a_model_cannot_split_is_refused(change, message, tmp_path):
+    """A key and value head for 2 processes (the model's own error, in a forward pass on the meta device, before
+    anything is allocated), and a tied head that its plan splits otherwise than its embedding: one line each, on
+    every rank, before any step."""
+    section, flags = LLAMA, list(LLAMA_FLAGS)
+    if change[0] == "n-kv-heads":
+        flags += ["--n-kv-heads", change[1]]
+    else:
+        section = LLAMA.replace(*change)
+    result = run(with_model_section(SCRIPT, tmp_path, section), *flags, "--log-dir", tmp_path / "tb")
+    assert result.returncode != 0, result.output
+    errors = error_lines(SCRIPT, result.output)
+    assert len(errors) == 2 and all(message in line for line in errors), result.output
+    assert f'{SCRIPT}", line' not in result.output and "step " not in result.output, result.output

@@ -8,8 +8,10 @@ line."""
 import re
 
 import pytest
+import torch
 
-from conftest import FP32, ROOT, SCRIPTS, WARNING, error_lines, injected, load, max_param_diff, run, scalars
+from conftest import (FP32, PARAM_ATOL, ROOT, SCRIPTS, STEPS as TINY_STEPS, TINY, WARNING, error_lines, import_script,
+                      injected, load, max_param_diff, run, scalars)
 
 # The replacement sections, written once for every script: all that main() needs from them is add_data_args,
 # build_datasets, add_model_args, build_model, loss_fn, and the model's optional init_tensor, embed, blocks, output.
@@ -155,6 +157,131 @@ def build_model(args, info):
     config = {"num_classes": info["num_classes"], "width": args.width}
     return WRAPPED, config
 ''' + CLASSIFIED
+
+# A Llama-shaped model section, written as transformers writes LlamaForCausalLM (RMSNorm, rotary positions from a
+# buffer of frequencies kept out of the state dict, grouped-query attention with fewer key and value heads than query
+# heads, a SwiGLU MLP, a head tied to the token embedding, its attention and MLP called by keyword) with a tensor_plan
+# in the collection's words: to tensor_parallel.py what the ResNet is to the others. It keeps the GPT's data section,
+# flags and loss; its init_tensor() gives the buffer its values too, and refuses a name it does not know.
+LLAMA = '''
+
+def add_model_args(parser):
+    parser.add_argument("--d-model", type=number(int), default=64, help="width of the model")
+    parser.add_argument("--n-layers", type=number(int), default=2, help="transformer blocks")
+    parser.add_argument("--n-heads", type=number(int), default=4, help="query heads")
+    parser.add_argument("--n-kv-heads", type=number(int), default=2, help="key and value heads")
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model, eps=1e-5):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d_model)), eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+def rotary_frequencies(head_dim, base=10000.0):
+    return base ** -(torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+
+class Attention(nn.Module):
+    def __init__(self, d_model, n_heads, n_kv_heads):
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+        self.register_buffer("inv_freq", rotary_frequencies(self.head_dim), persistent=False)
+
+    def forward(self, hidden_states):
+        batch, seq_len, _ = hidden_states.shape  # heads: -1, this rank's under tensor parallelism
+        q, k, v = (proj(hidden_states).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        angles = torch.arange(seq_len, device=q.device)[:, None] * self.inv_freq
+        cos, sin = (f(angles).repeat(1, 2).to(q.dtype) for f in (torch.cos, torch.sin))
+        rotated = lambda x: x * cos + torch.cat((-x[..., self.head_dim // 2:], x[..., :self.head_dim // 2]), -1) * sin
+        attn = F.scaled_dot_product_attention(rotated(q), rotated(k), v, is_causal=True, enable_gqa=True)
+        return self.o_proj(attn.transpose(1, 2).reshape(batch, seq_len, -1))
+
+class MLP(nn.Module):
+    def __init__(self, d_model, hidden):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, hidden_states):
+        return self.down_proj(F.silu(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+
+class Block(nn.Module):
+    def __init__(self, d_model, n_heads, n_kv_heads):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d_model)
+        self.self_attn = Attention(d_model, n_heads, n_kv_heads)
+        self.post_attention_layernorm = RMSNorm(d_model)
+        self.mlp = MLP(d_model, 3 * d_model)
+
+    def forward(self, x):
+        x = x + self.self_attn(hidden_states=self.input_layernorm(x))
+        return x + self.mlp(hidden_states=self.post_attention_layernorm(x))
+
+class Llama(nn.Module):
+    def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_heads, n_kv_heads) for i in range(n_layers)})
+        self.norm = RMSNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.embed_tokens.weight  # tied, as the small Llamas' are
+        self.tensor_plan = {  # the GPT's words: each norm's output gathered once, for q, k and v, or gate and up
+            "embed_tokens": "embedding", "norm": "norm", "head": "vocabulary",
+            "blocks.*.input_layernorm": "norm", "blocks.*.post_attention_layernorm": "norm",
+            "blocks.*.self_attn.q_proj": "column", "blocks.*.self_attn.k_proj": "column",
+            "blocks.*.self_attn.v_proj": "column", "blocks.*.self_attn.o_proj": "row",
+            "blocks.*.mlp.gate_proj": "column", "blocks.*.mlp.up_proj": "column", "blocks.*.mlp.down_proj": "row"}
+
+    def init_tensor(self, name, value, generator):
+        """Matrices N(0, 0.02), RMSNorm's weights 1, the rotary frequencies as the constructor computes them."""
+        if name.endswith("inv_freq"):
+            value.copy_(rotary_frequencies(2 * len(value)))
+        elif name.endswith("norm.weight"):
+            value.fill_(1.0)
+        elif name.endswith(("proj.weight", "embed_tokens.weight")):
+            value.normal_(0.0, 0.02, generator=generator)
+        else:
+            fail(f"init_tensor() has no values for {name}")
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.output(x)
+
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)
+
+    def output(self, x):
+        return self.head(self.norm(x))
+
+def build_model(args, data_info):
+    config = {"vocab_size": data_info["vocab_size"], "d_model": args.d_model, "n_layers": args.n_layers,
+              "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads}
+    return Llama(**config), config
+
+def loss_fn(logits, targets, reduction="mean"):
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction=reduction)
+
+
+'''
+
+
+def with_model_section(script, directory, section, name=None):
+    """`script` with its model section replaced by `section` (and its data section kept), as a user leaves it."""
+    text = (ROOT / script).read_text()
+    marks = {m.group(1): m for m in SECTION.finditer(text)}
+    path = directory / (name or script)
+    path.write_text(text[:marks["model"].end()] + section + text[marks["setup"].start():])
+    return path
+
 
 # The README's adaptation ("Bring your own model and data"), as a user copies it.
 FOUND = re.search(r"```python\n(class ResNetInPieces\(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
@@ -379,3 +506,109 @@ def test_dropout_draws_its_own_masks_on_each_rank(tmp_path):
     masks = {rank: re.findall(rf"rank {rank} zeroed (\[[\d, ]*\])", result.output) for rank in "01"}
     assert len(masks["0"]) == len(masks["1"]) == 8 * 2, result.output  # a dropout per micro-batch, 2 a step
     assert sum(a != b for a, b in zip(masks["0"], masks["1"])) >= 14, masks  # 16 values each: rarely all alike
+
+
+# The Llama-shaped model on TINY's data and schedule, 4 query heads and 2 key and value heads (2 and 1 a process
+# under tensor parallelism on 2).
+LLAMA_FLAGS = [*TINY, "--n-heads", 4, "--n-kv-heads", 2, "--max-steps", TINY_STEPS]
+# The scripts it trains in: all but pipeline.py, which refuses tied weights (test_pipeline_refuses_tied_weights).
+LLAMA_SCRIPTS = [script for script in SCRIPTS if script != "pipeline.py"]
+# Run in tensor_parallel.py's processes: the collectives DTensor runs (its functional ones: FSDP's are c10d's own)
+# up to each optimizer step, and the largest tensor evaluation makes whole with full_tensor(), written at exit.
+TENSOR_PARALLEL_PROBES = """
+import atexit, collections, json, os, torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+counts, steps, whole, full_tensor = collections.Counter(), [], [0], DTensor.full_tensor
+
+class Counting(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and not func.__name__.startswith("wait_tensor"):
+            counts[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+def noted_full_tensor(self, *args, **kwargs):
+    result = full_tensor(self, *args, **kwargs)
+    if not torch.is_grad_enabled():  # evaluation
+        whole[0] = max(whole[0], result.numel())
+    return result
+
+def write():
+    with open(os.path.join(os.environ["PROBES"], f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"steps": steps, "evaluation's whole tensor": whole[0]}, f)
+
+if "RANK" in os.environ:  # a worker, not torchrun's agent
+    Counting().__enter__()
+    DTensor.full_tensor = noted_full_tensor
+    register_optimizer_step_post_hook(lambda *args: steps.append(dict(counts)))
+    atexit.register(write)
+"""
+
+
+class LlamaRuns(dict):
+    """{script: (run, its checkpoint, its scalars, its directory)}: the Llama-shaped model trained once in each
+    script; tensor_parallel.py's (T 2) with TENSOR_PARALLEL_PROBES, written in the directory's probes/."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, script):
+        out = self.tmp_path_factory.mktemp(f"llama-{script[:-3]}")
+        path, env = with_model_section(script, out, LLAMA), {}
+        if script == "tensor_parallel.py":
+            (out / "site").mkdir()
+            (out / "probes").mkdir()
+            env = {**injected(out / "site", TENSOR_PARALLEL_PROBES), "PROBES": str(out / "probes")}
+        result = run(path, *LLAMA_FLAGS, "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb", env=env)
+        assert result.returncode == 0, result.output
+        assert not WARNING.search(result.output), result.output
+        self[script] = result, load(out / "ckpt"), scalars(out / "tb"), out
+        return self[script]
+
+
+@pytest.mark.parametrize("script", LLAMA_SCRIPTS)
+def test_a_llama_shaped_model_trains_in_every_script(script, llamas):
+    """Its loss falls; its head stays tied (as many parameters as in one process: tensor_parallel.py's styles each
+    register a parameter of their own, and it ties them again); where the strategy is exact it ends on
+    single_gpu.py's weights (ddp_amp.py computes in bf16), with the same validation."""
+    (result, state, tb, _), (reference, expected, expected_tb, _) = llamas[script], llamas["single_gpu.py"]
+    parameters = re.search(r"^([\d,]+) parameters", result.output, re.MULTILINE).group(1)
+    assert parameters == re.search(r"^([\d,]+) parameters", reference.output, re.MULTILINE).group(1)
+    loss = tb["train/loss"]
+    print(f"{script}, the Llama: {parameters} parameters, loss {loss[2]:.4f} -> {loss[TINY_STEPS]:.4f}", end="")
+    assert loss[2] - loss[TINY_STEPS] > 1.5, loss
+    if script in FP32:
+        difference = max_param_diff(state["model"], expected["model"])
+        print(f", {difference:.2g} from single_gpu.py's weights")
+        assert difference <= PARAM_ATOL
+        assert tb["val/loss"][TINY_STEPS] == pytest.approx(expected_tb["val/loss"][TINY_STEPS], rel=1e-6)
+        # Accuracy within one prediction of 128: two logits within rounding may trade the argmax.
+        assert abs(tb["val/accuracy"][TINY_STEPS] - expected_tb["val/accuracy"][TINY_STEPS]) <= 1 / 128
+
+
+def test_the_llamas_rotary_frequencies_are_its_constructors(tmp_path):
+    """Its init_tensor() gives the buffer of rotary frequencies the values its constructor computes (a GPT-2 style
+    init_tensor() would have drawn noise for it, in every script alike), and a name it does not know it refuses."""
+    module = import_script(str(with_model_section("single_gpu.py", tmp_path, LLAMA, "llama.py")))
+    model = module.Llama(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
+    built = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    for buffer in model.buffers():
+        buffer.zero_()
+    module.init_weights(model, 0)
+    assert built.keys() == {"blocks.0.self_attn.inv_freq", "blocks.1.self_attn.inv_freq"}
+    assert all(torch.equal(buffer, built[name]) for name, buffer in model.named_buffers())
+    model.blocks["0"].register_buffer("scale", torch.ones(1))
+    with pytest.raises(SystemExit, match="^llama.py: error: init_tensor\\(\\) has no values for blocks.0.scale$"):
+        module.init_weights(model, 0)
+
+
+def test_pipeline_refuses_tied_weights(tmp_path):
+    """The Llama's head is its token embedding: two stages cannot share it. One line on every rank, before any step."""
+    path = with_model_section("pipeline.py", tmp_path, LLAMA)
+    result = run(path, *LLAMA_FLAGS, "--log-dir", tmp_path / "tb")
+    assert result.returncode != 0, result.output
+    errors = error_lines("pipeline.py", result.output)
+    assert len(errors) == 2 and all("a parameter belongs to two modules (tied weights)" in line for line in errors)
+    assert 'pipeline.py", line' not in result.output and "step " not in result.output, result.output
