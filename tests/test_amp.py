@@ -182,6 +182,9 @@ def test_an_inf_in_a_split_gradient_skips_every_rank_whatever_the_first_paramete
     every_rank_skipped(tmp_path, 2)
 
 
+# The scale is a loss scaler's state in the checkpointing section every script shares: resumed in DDP, in FSDP, and on
+# 2 x 2 pipelines (whose inf check is the script's own).
+@pytest.mark.parametrize("overflowed", ["ddp_amp.py", "fsdp.py", "pipeline.py --pipelines 2"], indirect=True)
 def test_resume_matches_an_uninterrupted_run_bit_for_bit(overflowed, tmp_path):
     """Resumed from the overflowed run's step HALF, fp16 ends with its weights, AdamW state, schedule and loss
     scaler (halved before HALF, where a fresh scaler would start at 2^16 again), bit for bit."""
@@ -207,10 +210,11 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(overflowed, tmp_path):
     assert got == {step: loss for step, loss in expected.items() if step > HALF}
 
 
-@pytest.mark.parametrize("first, then", [("ddp_torchrun.py", "ddp_amp.py"), ("ddp_amp.py", "ddp_torchrun.py")])
-def test_checkpoints_move_to_and_from_ddp_torchrun(trained, halfway, tmp_path, first, then):
-    """The first half in one script and the second in the other (bf16, whose scaler is off, and fp32): the run
-    resumes, its weights keep their names and fp32, and it ends within bf16's rounding of fp32's loss."""
+def test_a_checkpoint_moves_from_ddp_torchrun(trained, halfway, tmp_path, first="ddp_torchrun.py", then="ddp_amp.py"):
+    """The first half in fp32, the second in bf16, whose scaler is off, asking the checkpoint for its state: the run
+    resumes, its weights keep their names and fp32, and it ends within bf16's rounding of fp32's loss. (A checkpoint
+    with a scaler's state moves into a script without one in tests/test_pipeline.py: 2 x 2 pipelines' into
+    single_gpu.py.)"""
     ckpt_dir = resume_in(halfway[first], tmp_path / "ckpt")
     result = run(then, *TINY, "--max-steps", STEPS, "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb")
     assert result.returncode == 0, result.output

@@ -169,8 +169,8 @@ def files(directory):
 
 
 # A checkpoint is read by the checkpointing section every script shares: single_gpu.py, and fsdp.py's ranks, which
-# each read their shards of it.
-@pytest.mark.parametrize("script", ["single_gpu.py", "fsdp.py"])
+# each read their shards of it (a corrupt one; a model of another size is refused by the config, read first).
+@pytest.mark.parametrize("script", ["single_gpu.py"])
 def test_checkpoint_of_another_model_size_is_refused_and_kept(trained, script, tmp_path):
     ckpt_dir = resume_in(trained["single_gpu.py"], tmp_path / "ckpt")
     before = files(ckpt_dir)

@@ -190,9 +190,8 @@ def assert_ends_like(trained, ckpt_dir):
 LOG_EVERY = 4
 @pytest.mark.parametrize("script, target, signum", [
     ("single_gpu.py", "the process", signal.SIGTERM), ("ddp_spawn.py", "the parent", signal.SIGTERM),
-    ("ddp_torchrun.py", "torchrun", signal.SIGTERM), ("fsdp.py", "rank 1 alone", signal.SIGUSR1),
-    ("tensor_parallel.py", "rank 1 alone", signal.SIGUSR1)],
-    ids=["single_gpu", "ddp_spawn-parent", "torchrun", "fsdp-rank-1-alone", "tensor_parallel-rank-1-alone"])
+    ("ddp_torchrun.py", "torchrun", signal.SIGTERM), ("fsdp.py", "rank 1 alone", signal.SIGUSR1)],
+    ids=["single_gpu", "ddp_spawn-parent", "torchrun", "fsdp-rank-1-alone"])
 def test_stop_signal_saves_at_the_documented_step_and_the_rerun_ends_bit_for_bit(trained, script, target, signum,
                                                                                 tmp_path):
     distributed = script != "single_gpu.py"

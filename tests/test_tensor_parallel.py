@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import (HALF, PARAM_ATOL, ROOT, STEPS, TINY, WARNING, error_lines, fails_cleanly, import_script,
+from conftest import (HALF, PARAM_ATOL, STEPS, TINY, WARNING, error_lines, fails_cleanly, import_script,
                       injected, load, max_param_diff, run, scalars, trains_compiled_like_eager)
 from test_fsdp import COUNT_ATTENTION, measured, trained_in_bf16
 from test_training import LOSS_ATOL
@@ -143,34 +143,21 @@ def test_a_refusal_stops_every_rank():
     fails_cleanly(SCRIPT, ["--tensor-parallel", 3], "--tensor-parallel 3 does not divide 2 processes evenly")
 
 
-# qkv's rows as the model section reads them (head by head), and as GPT-2 lays them out (all heads' q, then k, then
-# v): in one process two readings of the same drawn matrix, equally good models.
-HEAD_BY_HEAD = "qkv = self.qkv(self.attn_norm(x)).view(batch, seq_len, -1, 3, self.head_dim)"
-BY_ROLE = "qkv = self.qkv(self.attn_norm(x)).view(batch, seq_len, 3, -1, self.head_dim).transpose(2, 3)"
-
-
 def test_two_heads_a_process_need_qkv_stored_head_by_head(tmp_path):
     """4 heads on 2 processes, 2 each (TINY's 2 heads give each process one, where both readings agree): as the
-    model section stores qkv, tensor_parallel.py ends on single_gpu.py's weights. With the model section changed to
-    read the rows q|k|v, one process trains as well, but a split by rows now gives a process q of two heads where it
-    wants q, k and v of one: the weights end far from that one process's, with no error."""
+    model section stores qkv, head by head, tensor_parallel.py ends on single_gpu.py's weights. (Read q|k|v, a split
+    by rows gives a process q of two heads where it wants q, k and v of one: 0.06 from one process's weights, with
+    no error, on 2026-11-28; tests/check_deletions.py's row for that line shows this test failing.)"""
     flags = [*TINY, "--n-heads", 4, "--max-steps", 4, "--eval-every", 4, "--ckpt-every", 4]
     weights = {}
-    for layout in ("head by head", "by role"):
-        for script, nproc in [("single_gpu.py", 1), (SCRIPT, 2)]:
-            path = ROOT / script
-            if layout == "by role":
-                path = tmp_path / script
-                path.write_text((ROOT / script).read_text().replace(HEAD_BY_HEAD, BY_ROLE))
-            out = tmp_path / f"{layout.replace(' ', '-')}-{script[:-3]}"
-            result = run(path, *flags, "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb", nproc=nproc)
-            assert result.returncode == 0 and not WARNING.search(result.output), result.output
-            weights[layout, script] = load(out / "ckpt")["model"]
-    same = max_param_diff(weights["head by head", SCRIPT], weights["head by head", "single_gpu.py"])
-    cut = max_param_diff(weights["by role", SCRIPT], weights["by role", "single_gpu.py"])
-    print(f"\n2 heads a process, from one process's weights: stored head by head {same:.2g}, q|k|v {cut:.2g}")
+    for script, nproc in [("single_gpu.py", 1), (SCRIPT, 2)]:
+        out = tmp_path / script[:-3]
+        result = run(script, *flags, "--ckpt-dir", out / "ckpt", "--log-dir", out / "tb", nproc=nproc)
+        assert result.returncode == 0 and not WARNING.search(result.output), result.output
+        weights[script] = load(out / "ckpt")["model"]
+    same = max_param_diff(weights[SCRIPT], weights["single_gpu.py"])
+    print(f"\n2 heads a process, from one process's weights: {same:.2g}")
     assert same <= PARAM_ATOL
-    assert cut > 1e-3
 
 
 def test_t_defaults_to_the_processes_of_one_node(monkeypatch):
