@@ -182,17 +182,18 @@ def second_step(probed):
 def test_one_gather_a_norm_the_llama_runs_no_more_collectives_than_the_gpt(llamas, tmp_path):
     """A "norm" gathers its output's positions once for the column layers it feeds: the Llama's q, k and v (gate and
     up), separate Linears called by keyword, split without a gather each. In its second step, against the GPT's
-    (whose qkv and MLP's first are one Linear each): no more all-gathers and reduce-scatters of activations, where
-    columns that gathered their own inputs ran 5 a block for the GPT's 2."""
+    (whose qkv and MLP's first are one Linear each): no more all-gathers, reduce-scatters or all-reduces, where
+    columns that gathered their own inputs ran 5 all-gathers a block for the GPT's 2."""
     (tmp_path / "site").mkdir()
     env = {**injected(tmp_path / "site", TENSOR_PARALLEL_PROBES), "PROBES": str(tmp_path)}
     result = run(SCRIPT, *TINY, "--max-steps", 2, "--log-dir", tmp_path / "tb", env=env)
     assert result.returncode == 0, result.output
     gpt, llama = second_step(probes(tmp_path)[0]), second_step(probes(llamas[SCRIPT][3] / "probes")[0])
     print(f"\none step, 2 blocks, collectives: the GPT {gpt}, the Llama {llama}")
-    activations = ("all_gather_into_tensor", "reduce_scatter_tensor")
-    assert all(gpt[name] > 0 for name in activations), gpt
-    assert all(llama.get(name, 0) <= gpt[name] for name in activations), (llama, gpt)
+    collectives = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+    assert all(gpt[name] > 0 for name in collectives), gpt
+    # All-reduces too: a column that redistributed its gathered input again would all-reduce its input's gradient.
+    assert all(llama.get(name, 0) <= gpt[name] for name in collectives), (llama, gpt)
 
 
 def test_evaluation_holds_a_share_of_the_logits(llamas):
