@@ -206,14 +206,15 @@ class GPT(nn.Module):
         else:  # a buffer, or a layer of another kind: noise would be wrong, and silently
             fail(f"init_tensor() has no values for {name}: give them, as for the others")
 
-    def forward(self, tokens):  # embed(), the blocks, output(): a pipeline stage runs its parts
-        x = self.embed(tokens)
+    def forward(self, tokens, positions=None):  # embed(), the blocks, output(): a pipeline stage
+        x = self.embed(tokens, positions)  # runs its parts; positions: context_parallel.py's share
         for block in self.blocks.values():
             x = block(x)
         return self.output(x)
 
-    def embed(self, tokens):
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def embed(self, tokens, positions=None):
+        if positions is None:  # the whole sequence's
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         return self.tok_emb(tokens) + self.pos_emb(positions)
 
     def output(self, x):

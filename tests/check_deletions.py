@@ -189,6 +189,17 @@ DELETIONS = [
      f"{BAD_INPUT}::test_init_tensor_refuses_a_tensor_it_does_not_know"),
     ("single_gpu.py", 'return GPT(**config), {**config, "qkv": "by head"}', "return GPT(**config), config",
      f"{BAD_INPUT}::test_a_checkpoint_of_the_old_qkv_layout_is_refused_and_kept"),
+    ("context_parallel.py", "k, v = (torch.cat(chunks[::2] + chunks[::-2], 2) for chunks in (k, v))",
+     "k, v = (torch.cat(chunks, 2) for chunks in (k, v))", f"{SAME_AS_SINGLE}[context_parallel.py]"),  # rank order
+    ("context_parallel.py", "self.ends = (r + 1) * length, (2 * c - r) * length",
+     "self.ends = 2 * c * length, 2 * c * length", f"{SAME_AS_SINGLE}[context_parallel.py]"),  # attends ahead
+    ("context_parallel.py", "block.forward = functools.partial(attention, block.forward)", None,
+     f"{SAME_AS_SINGLE}[context_parallel.py]"),  # the check refuses a model it does not reach
+    ("context_parallel.py", "model.forward = functools.partial(model.forward, positions=positions.to(device))",
+     None, f"{SAME_AS_SINGLE}[context_parallel.py]"),  # positions 0, 1, ... on every rank
+    ("context_parallel.py", "sampler = DistributedSampler(train_set, data_size, data_rank, seed=args.seed,",
+     "sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)",
+     f"{SAME_AS_SINGLE}[context_parallel.py]"),  # a row's ranks read different samples
     ("tensor_parallel.py", 'logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)',
      None, f"{TRAINING}::test_trains_logs_and_checkpoints[tensor_parallel.py]"),
 ]

@@ -22,10 +22,12 @@ from pathlib import Path
 from conftest import ROOT, SCRIPTS, TINY, command, run_command
 
 # Beyond each script's defaults: what else the releases must run, with its processes. Hybrid sharding, 2 pipelines of 2
-# stages in fp16, two stages a process under zero-bubble, tensor parallelism on 2 rows of 2 in bf16, fp16 with a scaler.
+# stages in fp16, two stages a process under zero-bubble, tensor parallelism on 2 rows of 2 in bf16, fp16 with a scaler,
+# context parallelism on 2 rows of 2 in bf16.
 CONFIGS = {**dict.fromkeys(SCRIPTS, 2), "fsdp.py --replicate 2": 4, "pipeline.py --pipelines 2 --precision fp16": 4,
            "pipeline.py --stages-per-process 2 --n-layers 4 --schedule zero-bubble": 2,
-           "tensor_parallel.py --tensor-parallel 2 --precision bf16": 4, "ddp_amp.py --precision fp16": 2}
+           "tensor_parallel.py --tensor-parallel 2 --precision bf16": 4, "ddp_amp.py --precision fp16": 2,
+           "context_parallel.py --context-parallel 2 --precision bf16": 4}
 
 # The floor of every script (requirements.txt: torch>=2.10) and the release before it, every release since, and the
 # newest on the registry when last measured.

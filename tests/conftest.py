@@ -21,9 +21,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py",
-           "tensor_parallel.py"]
-DISTRIBUTED = ["ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py", "tensor_parallel.py"]
-TORCHRUN = ["ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py", "tensor_parallel.py"]  # started by torchrun (or its old launch)
+           "tensor_parallel.py", "context_parallel.py"]
+DISTRIBUTED = ["ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py", "tensor_parallel.py",
+               "context_parallel.py"]
+TORCHRUN = ["ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py", "tensor_parallel.py", "context_parallel.py"]  # started by torchrun (or its old launch)
 # The scripts that compute in fp32 (fsdp.py by default, pipeline.py always) and so reach single_gpu.py's numbers
 # within PARAM_ATOL.
 # ddp_amp.py computes in 16 bits: tests/test_amp.py holds it to fp32 within a bound that bf16's precision sets.

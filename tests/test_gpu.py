@@ -48,9 +48,9 @@ CONFIGS = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py --workers 2", "ddp_
            "fsdp.py --precision bf16 --activation-checkpointing", "pipeline.py --schedule gpipe",
            "pipeline.py --schedule 1f1b --activation-checkpointing", "pipeline.py --precision bf16",
            "tensor_parallel.py",
-           "tensor_parallel.py --precision bf16"]
+           "tensor_parallel.py --precision bf16", "context_parallel.py"]
 COMPILED = ["single_gpu.py", "dataparallel.py", "ddp_spawn.py", "ddp_torchrun.py", "ddp_amp.py", "fsdp.py", "pipeline.py",
-            "tensor_parallel.py"]
+            "tensor_parallel.py", "context_parallel.py"]
 # One script of each way a state dict is gathered (the model itself, FSDP's shards, a pipeline's stages): the
 # checkpoint format is the same in every script.
 MOVED = ["single_gpu.py", "fsdp.py", "pipeline.py --schedule gpipe"]
@@ -62,7 +62,8 @@ BIG_ACTIVATIONS = "--d-model 1024 --n-heads 16 --seq-len 1024 --n-layers 4 --bat
 SEVERAL = [("ddp_torchrun.py", 2), ("fsdp.py --replicate 2", 2),
            (f"pipeline.py --stages-per-process 2 {BIG_ACTIVATIONS}", 2),
            ("tensor_parallel.py --tensor-parallel 2 --precision fp16", 2),
-           ("pipeline.py --pipelines 2 --precision fp16", 4), ("pipeline.py --pipelines 2 --precision bf16", 4)]
+           ("pipeline.py --pipelines 2 --precision fp16", 4), ("pipeline.py --pipelines 2 --precision bf16", 4),
+           ("context_parallel.py --precision bf16", 2)]
 
 # Deterministic kernels only: an operation without a deterministic one raises (cuBLAS needs its workspace fixed too).
 # Two checks that a step which does not log never waits for the GPU. Torch's sync debug mode: from the first batch
@@ -473,3 +474,21 @@ def test_on_several_gpus_ends_near_single_gpus_weights(script, tmp_path):
     difference = max_param_diff(load(tmp_path / script)["model"], load(tmp_path / "single_gpu.py")["model"])
     print(f"\n{script} on {2 if script != 'dataparallel.py' else GPUS} GPUs against single_gpu.py: {difference:.2g}")
     assert difference <= 20 * PARAM_ATOL
+
+
+@pytest.mark.skipif(GPUS < 2, reason="C 2 needs two GPUs")
+def test_context_parallel_attends_in_a_fused_kernel_with_no_mask(tmp_path):
+    """context_parallel.py on 2 GPUs in bf16 (C 2), sequences of 1,024: each chunk attends to the keys before its end
+    under a lower-right causal bias, which SDPA's flash and memory-efficient kernels take as it is; the profiler's
+    trace of steps 7 to 9 holds those kernels' ops, and none of the math path's, which would materialize a mask of
+    S/2C x S."""
+    result = run("context_parallel.py", *FLAGS, "--precision", "bf16", "--seq-len", 1024, "--profile",
+                 "--log-dir", tmp_path / "tb", env=ON_THE_GPU, timeout=600)
+    assert result.returncode == 0 and on_the_gpu(result.output), result.output
+    events = json.loads((tmp_path / "tb" / "trace_rank0.json").read_text())["traceEvents"]
+    ops = {event["name"] for event in events if event.get("cat") == "cpu_op"}
+    fused = ops & {"aten::_scaled_dot_product_flash_attention", "aten::_efficient_attention_forward",
+                   "aten::_scaled_dot_product_efficient_attention"}
+    print(f"\ncontext_parallel.py, C 2 in bf16: attention by {sorted(fused)}")
+    assert fused, sorted(op for op in ops if "attention" in op)
+    assert "aten::_scaled_dot_product_attention_math" not in ops

@@ -165,13 +165,14 @@ glob.glob = lagging_glob
 """
 
 
-# All eight save and resume with one checkpointing section (tests/test_structure.py): in the smoke tier, the one
+# All nine save and resume with one checkpointing section (tests/test_structure.py): in the smoke tier, the one
 # process of single_gpu.py and the ranks of ddp_torchrun.py stand for the others. dataparallel.py's one process
 # saves as single_gpu.py's does, and ddp_amp.py's ranks as ddp_torchrun.py's (tests/test_amp.py resumes it in fp16,
-# bit for bit): the full tier leaves them out.
+# bit for bit); ddp_spawn.py's stopped run, run again, ends bit for bit in tests/test_preemption.py: the full tier
+# leaves them out.
 @pytest.mark.parametrize("script", [pytest.param(script, marks=[pytest.mark.smoke] * (script in ("single_gpu.py",
                                                  "ddp_torchrun.py"))) for script in SCRIPTS
-                                    if script not in ("dataparallel.py", "ddp_amp.py")])
+                                    if script not in ("dataparallel.py", "ddp_amp.py", "ddp_spawn.py")])
 def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, script, tmp_path):
     """Stopped at step HALF with a checkpoint and run again, each script ends on its uninterrupted run's checkpoint
     (weights, AdamW state, bit for bit) and logs its losses, with no word on a setting that differs. ddp_torchrun.py resumes with loader workers,
@@ -195,7 +196,7 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     # most 2 batches of 4 at the end (12 samples on this machine): at most 2 x (2 x 2 + 2 x 4) = 24.
     fetches, trained_on = (tmp_path / "fetches").read_text().split(), (STEPS - HALF) * 8
     fetched = len(fetches)
-    if script in ("pipeline.py", "tensor_parallel.py"):  # each of 2 ranks reads every sample
+    if script in ("pipeline.py", "tensor_parallel.py", "context_parallel.py"):  # 2 ranks read every sample
         trained_on *= 2
     print(f"\n{script} --workers {workers}: resumed at step {HALF}, fetched {fetched} samples to train on {trained_on}")
     assert fetched == trained_on if workers == 0 else trained_on <= fetched <= trained_on + 24
@@ -246,25 +247,29 @@ def test_init_scales_the_residual_projections_as_gpt2s(monkeypatch):
 
 
 def test_checkpoints_move_between_scripts_and_numbers_of_processes(trained, halfway, tmp_path):
-    """One run handed on: single_gpu.py's step 8 (one process, whole tensors) trained on by fsdp.py to step 12 (two
-    processes, each a shard of every tensor), that by tensor_parallel.py to step 14 (two processes, each a part of
-    every layer), that by pipeline.py to step 16 (four processes: two pipelines of two stages, each stage's tensors
-    sharded over its two replicas). It ends on single_gpu.py's uninterrupted weights and losses within the tolerance
-    of fp32 sums."""
+    """One run handed on: single_gpu.py's step 8 (one process, whole tensors) trained on by fsdp.py to step 10 (two
+    processes, each a shard of every tensor), that by context_parallel.py to step 12 (four processes: two rows of two,
+    each a half of every sequence, all a shard of every tensor), that by tensor_parallel.py to step 14 (two processes,
+    each a part of every layer), that by pipeline.py to step 16 (four processes: two pipelines of two stages, each
+    stage's tensors sharded over its two replicas). It ends on single_gpu.py's uninterrupted weights and losses within
+    the tolerance of fp32 sums."""
     ckpt_dir = resume_in(halfway["single_gpu.py"], tmp_path / "ckpt")
-    output = resume("fsdp.py", ckpt_dir, tmp_path / "fsdp", 12)
+    output = resume("fsdp.py", ckpt_dir, tmp_path / "fsdp", 10)
     assert f"resumed from {ckpt_dir}/step-{HALF:06d} at step {HALF}\n" in output, output
+    output = resume("context_parallel.py", ckpt_dir, tmp_path / "context_parallel", 12, "--context-parallel", 2,
+                    nproc=4)
+    assert f"resumed from {ckpt_dir}/step-000010 at step 10\n" in output, output
     output = resume("tensor_parallel.py", ckpt_dir, tmp_path / "tensor_parallel", 14)
     assert f"resumed from {ckpt_dir}/step-000012 at step 12\n" in output, output
     output = resume("pipeline.py", ckpt_dir, tmp_path / "pipeline", STEPS, "--pipelines", 2, nproc=4)
     assert f"resumed from {ckpt_dir}/step-000014 at step 14\n" in output, output
     reference = trained["single_gpu.py"]
     difference = max_param_diff(load(ckpt_dir)["model"], load(reference.ckpt_dir)["model"])
-    print(f"single_gpu.py, fsdp.py, tensor_parallel.py, pipeline.py: largest difference from single_gpu.py's weights "
-          f"{difference:.2g}")
+    print(f"single_gpu.py, fsdp.py, context_parallel.py, tensor_parallel.py, pipeline.py: largest difference from "
+          f"single_gpu.py's weights {difference:.2g}")
     assert difference <= PARAM_ATOL
     expected = scalars(reference.log_dir)["train/loss"]
-    got = {step: loss for name in ("fsdp", "tensor_parallel", "pipeline")
+    got = {step: loss for name in ("fsdp", "context_parallel", "tensor_parallel", "pipeline")
            for step, loss in scalars(tmp_path / name)["train/loss"].items()}
     assert got.keys() == {step for step in expected if step > HALF}
     assert all(abs(expected[step] - got[step]) <= LOSS_ATOL for step in got), (expected, got)

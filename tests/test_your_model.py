@@ -192,11 +192,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
         self.register_buffer("inv_freq", rotary_frequencies(self.head_dim), persistent=False)
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, positions):
         batch, seq_len, _ = hidden_states.shape  # heads: -1, this rank's under tensor parallelism
         q, k, v = (proj(hidden_states).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        angles = torch.arange(seq_len, device=q.device)[:, None] * self.inv_freq
+        angles = positions[:, None] * self.inv_freq
         cos, sin = (f(angles).repeat(1, 2).to(q.dtype) for f in (torch.cos, torch.sin))
         rotated = lambda x: x * cos + torch.cat((-x[..., self.head_dim // 2:], x[..., :self.head_dim // 2]), -1) * sin
         attn = F.scaled_dot_product_attention(rotated(q), rotated(k), v, is_causal=True, enable_gqa=True)
@@ -220,8 +220,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(d_model)
         self.mlp = MLP(d_model, 3 * d_model)
 
-    def forward(self, x):
-        x = x + self.self_attn(hidden_states=self.input_layernorm(x))
+    def forward(self, x, positions):
+        x = x + self.self_attn(hidden_states=self.input_layernorm(x), positions=positions)
         return x + self.mlp(hidden_states=self.post_attention_layernorm(x))
 
 class Llama(nn.Module):
@@ -250,10 +250,12 @@ class Llama(nn.Module):
         else:
             fail(f"init_tensor() has no values for {name}")
 
-    def forward(self, tokens):
+    def forward(self, tokens, positions=None):  # positions: context_parallel.py's rank holds some
         x = self.embed(tokens)
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, positions)
         return self.output(x)
 
     def embed(self, tokens):
