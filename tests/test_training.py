@@ -178,7 +178,7 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     (weights, AdamW state, bit for bit) and logs its losses, with no word on a setting that differs. ddp_torchrun.py resumes with loader workers,
     spawned, which are sent the --data dataset by pickling: the same numbers, though rank 1 does not see the
     checkpoint it resumes from (LAGGING_LISTING). And every process ends with no gloo thread left (but those with a
-    DeviceMesh, fsdp.py's, tensor_parallel.py's and pipeline.py's: on
+    DeviceMesh, fsdp.py's, tensor_parallel.py's, context_parallel.py's and pipeline.py's: on
     torch 2.13 DTensor's process-wide caches keep the DeviceMesh, which holds the group, so its threads live until the
     process ends; see pytorch/pytorch#172504)."""
     workers = 1 if script == "ddp_torchrun.py" else 0
@@ -206,7 +206,8 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(trained, halfway, scrip
     # two reports can land on one line.
     reports = re.findall(r"gloo threads at exit: (\d+) \((\w+)\)", output)
     assert sorted(who for _, who in reports if who != "other") == (["0", "1"] if script in DISTRIBUTED else []), output
-    assert script in ("fsdp.py", "tensor_parallel.py", "pipeline.py") or all(count == "0" for count, _ in reports), output
+    meshed = ("fsdp.py", "tensor_parallel.py", "pipeline.py", "context_parallel.py")
+    assert script in meshed or all(count == "0" for count, _ in reports), output
 
     assert_identical(load(ckpt_dir), load(trained[script].ckpt_dir))
     # The losses logged after the restart are the uninterrupted run's, exactly.
