@@ -257,9 +257,10 @@ class ContextParallel(torch.overrides.TorchFunctionMode):
     def __init__(self, row, seq_len):
         super().__init__()
         c, r, self.row, self.reached = dist.get_world_size(row), dist.get_rank(row), row, False
-        length = seq_len // (2 * c)  # of a chunk, which attends to the keys up to its own end
-        self.ends = (r + 1) * length, (2 * c - r) * length
-        self.masks = [causal_lower_right(length, end) for end in self.ends]  # here: compile can't
+        chunks = torch.arange(seq_len).view(2 * c, -1)  # r and 2C - 1 - r: as much causal work each
+        self.positions = torch.cat([chunks[r], chunks[2 * c - 1 - r]])  # this rank's, of a sequence
+        # Each chunk attends to the keys up to its own end. Built here: a compiled block cannot.
+        self.masks = [causal_lower_right(len(x), int(x[-1]) + 1) for x in self.positions.chunk(2)]
 
     def __call__(self, forward, *args, **kwargs):  # a block's, within the mode: its recompute too
         with self:  # (in backward, where a mode entered around the step is gone)
@@ -276,19 +277,17 @@ class ContextParallel(torch.overrides.TorchFunctionMode):
         # All ranks' keys and values, (batch, heads, positions, head_dim); backward reduce-scatters
         k, v = (all_gather(t.contiguous(), 2, self.row).split(q.shape[2] // 2, 2) for t in (k, v))
         k, v = (torch.cat(chunks[::2] + chunks[::-2], 2) for chunks in (k, v))  # s: s, 2C - 1 - s
-        return torch.cat([F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end],
-                                                         mask, dropout_p, **options)
-                          for q_chunk, end, mask in zip(q.chunk(2, 2), self.ends, self.masks)], 2)
+        return torch.cat([F.scaled_dot_product_attention(
+            part, k[:, :, :mask.seq_len_kv], v[:, :, :mask.seq_len_kv], mask, dropout_p, **options)
+            for part, mask in zip(q.chunk(2, 2), self.masks)], 2)  # part: a chunk of queries
 
 def context_parallel_group(args, world_size):
-    """C; this process's row, ranks iC to iC + C - 1, which share each sequence; its positions."""
+    """C, and this process's row: ranks iC to iC + C - 1, which share each sequence."""
     c = args.context_parallel or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # a node's
     if world_size % c or args.seq_len % (2 * c):
         fail(f"--context-parallel {c} must divide {world_size} processes, and 2 x {c} --seq-len")
     grid, timeout = torch.arange(world_size).view(-1, c), datetime.timedelta(seconds=args.timeout)
-    row, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)
-    chunks, r = torch.arange(args.seq_len).view(2 * c, -1), dist.get_rank(row)
-    return c, row, torch.cat([chunks[r], chunks[2 * c - 1 - r]])  # each as much causal work
+    return c, dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout)[0]  # this rank's
 
 def share(positions, batch):  # a loader's batch, each sample cut to this rank's positions
     return [tensor[:, positions] for tensor in torch.utils.data.default_collate(batch)]
@@ -548,7 +547,7 @@ def load_checkpoint(path, model, optimizer, extras, config):
 
 def main(args):
     device, rank, world_size = setup(args)
-    context_size, context, positions = context_parallel_group(args, world_size)  # a row: 1 batch
+    context_size, context = context_parallel_group(args, world_size)  # a row: one batch
     data_rank, data_size = rank // context_size, world_size // context_size
     if args.batch_size % (data_size * args.grad_accum):
         fail(f"--batch-size {args.batch_size} does not divide into {data_size} rows x "
@@ -565,6 +564,7 @@ def main(args):
     if not hasattr(model, "init_tensor"):  # its values come from its constructor: whole, then shard
         model, config = build_model(args, data_info)
     attention, on = ContextParallel(context, args.seq_len), next(model.parameters()).device
+    positions = attention.positions  # this rank's share of every sequence
     for block in getattr(model, "blocks", {}).values():  # each attends across the row
         block.forward = functools.partial(attention, block.forward)
     try:  # a forward pass: the model takes a share of positions, and its blocks call SDPA

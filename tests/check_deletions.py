@@ -191,8 +191,9 @@ DELETIONS = [
      f"{BAD_INPUT}::test_a_checkpoint_of_the_old_qkv_layout_is_refused_and_kept"),
     ("context_parallel.py", "k, v = (torch.cat(chunks[::2] + chunks[::-2], 2) for chunks in (k, v))",
      "k, v = (torch.cat(chunks, 2) for chunks in (k, v))", f"{SAME_AS_SINGLE}[context_parallel.py]"),  # rank order
-    ("context_parallel.py", "self.ends = (r + 1) * length, (2 * c - r) * length",
-     "self.ends = 2 * c * length, 2 * c * length", f"{SAME_AS_SINGLE}[context_parallel.py]"),  # attends ahead
+    ("context_parallel.py", "self.masks = [causal_lower_right(len(x), int(x[-1]) + 1) for x in",
+     "self.masks = [causal_lower_right(len(x), seq_len) for x in self.positions.chunk(2)]",
+     f"{SAME_AS_SINGLE}[context_parallel.py]"),  # attends ahead
     ("context_parallel.py", "block.forward = functools.partial(attention, block.forward)", None,
      f"{SAME_AS_SINGLE}[context_parallel.py]"),  # the check refuses a model it does not reach
     ("context_parallel.py", "model.forward = functools.partial(model.forward, positions=positions.to(device))",

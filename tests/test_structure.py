@@ -48,10 +48,10 @@ STRATEGY_CALL = {"dataparallel.py": ("single_gpu.py", "DataParallel("),
 # main() in lines, from `def main` to its last line (before `if __name__`; in ddp_spawn.py, `def run`), blank lines
 # inside it included: issue 43's 70 at most, in every script (fsdp.py's 72 since the save group got --timeout and
 # training reseeds by rank for dropout), and 2 more where every rank resumes from rank 0's listing of --ckpt-dir.
-# tensor_parallel.py's 75: fsdp.py's, and which row of processes reads which batch. context_parallel.py's 87: that,
+# tensor_parallel.py's 75: fsdp.py's, and which row of processes reads which batch. context_parallel.py's 88: that,
 # and each block made to attend across its row, checked on a forward pass, and the model given its share of positions.
 MAX_MAIN_LINES = {**dict.fromkeys(SCRIPTS, 70), **dict.fromkeys(DISTRIBUTED, 72), "fsdp.py": 74,
-                  "tensor_parallel.py": 75, "context_parallel.py": 87}
+                  "tensor_parallel.py": 75, "context_parallel.py": 88}
 
 
 def source(script):
