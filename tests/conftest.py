@@ -3,8 +3,10 @@ back what it wrote: console output, TensorBoard scalars, checkpoints."""
 
 import contextlib
 import importlib.util
+import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -95,8 +97,113 @@ def command(script, nproc=2, python=sys.executable):
 
 def run(script, *args, nproc=2, timeout=180, cwd=None, env=None):
     """Run a script to completion. A hang fails the test after `timeout` seconds, and the whole
-    process group is killed so that no worker outlives it."""
-    return run_command(command(script, nproc) + [str(a) for a in args], env=env, timeout=timeout, cwd=cwd)
+    process group is killed so that no worker outlives it. From a warm start (`warm`) where nothing in `env`
+    acts before Python runs its first line."""
+    if any(name.startswith(COLD) and name != "PYTHONPATH" for name in env or {}):
+        return run_command(command(script, nproc) + [str(a) for a in args], env=env, timeout=timeout, cwd=cwd)
+    return warm(script, *args, nproc=nproc, timeout=timeout, cwd=cwd, env=env)
+
+
+# What a process reads before its first line of Python or while torch is imported (an allocator's settings, torch's
+# logs, threads): a run with these in its environment starts cold, as the user's does. PYTHONPATH's sitecustomize
+# runs in a warm start too.
+COLD = ("MALLOC_", "LD_", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "NCCL", "GLOO", "PYTHON")
+
+
+class WarmStart:
+    """tests/warm_start.py, a process that has imported what every script imports and forks one process a run.
+    Started at the first run that asks for it; ends with the tests."""
+    started = None
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "warm_start.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=environment(), cwd=ROOT)
+        self.pending, self.ended = b"", {}
+
+    @classmethod
+    def get(cls):
+        if cls.started is None or cls.started.proc.poll() is not None:
+            cls.started = cls()
+        return cls.started
+
+    def message(self, timeout):
+        """The next line it writes, as a dict; None after `timeout` seconds without one."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            assert chunk, f"tests/warm_start.py ended: {self.proc.wait()}"
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def start(self, argv, env, cwd, output):
+        """Fork a process that runs `python -u argv[0] argv[1:]` in `env`, writing to the file `output`: its pid."""
+        self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd), "output": str(output)}).encode()
+                              + b"\n")
+        self.proc.stdin.flush()
+        while "returncode" in (reply := self.message(60)):
+            self.ended[reply["pid"]] = reply["returncode"]
+        self.ended.pop(reply["pid"], None)  # an earlier process's, that had the same pid
+        return reply["pid"]
+
+    def wait(self, pids, timeout):
+        """(pid, return code) of the first of `pids` to end, or None if all still run after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not (ended := [pid for pid in pids if pid in self.ended]):
+            reply = self.message(max(0.0, deadline - time.monotonic()))
+            if reply is None:
+                return None
+            self.ended[reply["pid"]] = reply["returncode"]
+        return ended[0], self.ended.pop(ended[0])
+
+
+def kill(pids, signum):
+    """Send `signum` to each process of `pids` and to the processes it started (its session's group)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+            os.killpg(pid, signum)
+
+
+def warm(script, *args, nproc=2, timeout=180, cwd=None, env=None):
+    """Run a script as `run` does, each process forked from a warm start: torchrun's scripts as torchrun starts them
+    (its variables, each rank's output to one place, the others stopped with SIGTERM, then SIGKILL 30 s later, once
+    one fails, and 1 for any failure), saving torchrun's agent and 6 s of imports a process. The tests of what
+    torchrun itself does (restarts, signals to the job, several nodes) run it."""
+    starter, env = WarmStart.get(), environment(env)
+    path, name = str(ROOT / script), Path(script).name
+    ranks = [{}]
+    if name in TORCHRUN:
+        port = free_ports()[0]
+        ranks = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                  "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
+                  "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                  "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                  "TORCHELASTIC_RUN_ID": "none"} for rank in range(nproc)]
+    argv = [path, *map(str, args)] + (["--nproc", str(nproc)] if name == "ddp_spawn.py" else [])
+    start = time.monotonic()
+    with tempfile.NamedTemporaryFile("r") as output:
+        pids = [starter.start(argv, {**env, **rank}, cwd or ROOT, output.name) for rank in ranks]
+        returncodes, hang_at, kill_at = {}, start + timeout, float("inf")
+        while running := [pid for pid in pids if pid not in returncodes]:
+            ended = starter.wait(running, max(0.0, min(hang_at, kill_at) - time.monotonic()))
+            if ended is None and time.monotonic() >= hang_at:
+                kill(running, signal.SIGKILL)
+                pytest.fail(f"{' '.join(argv)} ran past {timeout}s:\n{output.read()}")
+            if ended is None:  # still running 30 s after the SIGTERM
+                kill(running, signal.SIGKILL)
+                kill_at = float("inf")
+                continue
+            returncodes[ended[0]] = ended[1]
+            if ended[1] != 0 and kill_at == float("inf") and len(running) > 1:
+                kill([pid for pid in running if pid != ended[0]], signal.SIGTERM)
+                kill_at = time.monotonic() + 30
+        result = list(returncodes.values())
+        returncode = result[0] if len(result) == 1 else int(any(result))
+        return Run(returncode, output.read(), time.monotonic() - start)
 
 
 def free_ports(count=1):
@@ -360,9 +467,10 @@ def trains_compiled_like_eager(script, eager, tmp_path):
     within PARAM_ATOL of the eager run's (Inductor's fused kernels add in another order), and the same checkpoint
     keys (no "_orig_mod." prefix), so that either mode's checkpoint loads into the other: DCP loads by key, in the
     checkpointing section every script shares. Returns each rank's number of recompiles."""
-    ckpt_dir = tmp_path / "ckpt"
+    ckpt_dir, site = tmp_path / "ckpt", tmp_path / "site"
+    site.mkdir()  # a module there logs each recompile, as TORCH_LOGS=recompiles would
     result = run(script, *TINY, "--max-steps", STEPS, "--compile", "--ckpt-dir", ckpt_dir, "--log-dir", tmp_path / "tb",
-                 env={"TORCH_LOGS": "recompiles"}, timeout=600)
+                 env=injected(site, "import torch\ntorch._logging.set_logs(recompiles=True)\n"), timeout=600)
     assert result.returncode == 0, result.output
     assert not WARNING.search(result.output), result.output
     compiled, reference = load(ckpt_dir)["model"], load(eager.ckpt_dir)["model"]

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (DISTRIBUTED, FP32, HALF, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, WARNING, adam_state,
-                      assert_identical, checkpoints, import_script, injected, load, max_param_diff, resume_in, run, scalars)
+from conftest import (DISTRIBUTED, FP32, HALF, PARAM_ATOL, ROOT, SCRIPTS, STEPS, TINY, TORCHRUN, WARNING, adam_state,
+                      assert_identical, checkpoints, command, import_script, injected, load, max_param_diff, resume_in,
+                      run, run_command, scalars)
 
 LOSS_ATOL = 1e-5
 TAGS = {"train/loss", "train/lr", "train/tokens_per_sec", "train/tflops", "val/loss", "val/accuracy"}
@@ -69,6 +70,19 @@ def test_trains_logs_and_checkpoints(trained, script):
     assert adam_state(state).keys() == {f"state.{name}.{key}" for name in names
                                         for key in ("step", "exp_avg", "exp_avg_sq")}
     assert all(step == STEPS for key, step in adam_state(state).items() if key.endswith(".step"))
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("script", TORCHRUN)
+def test_torchrun_trains_as_the_tests_warm_start_does(trained, script, tmp_path):
+    """The tests start most runs' processes from a warm start, as torchrun would (conftest.py's `warm`). Here torchrun
+    itself starts each of its scripts, from a cold start as a user's: the checkpoint is the warm run's, bit for bit,
+    and no warning comes from what a process does first (imports, sitecustomize, the environment)."""
+    result = run_command(command(script) + [*map(str, TINY), "--max-steps", str(STEPS), "--ckpt-dir",
+                                            str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "tb")])
+    assert result.returncode == 0, result.output
+    assert not WARNING.search(result.output), result.output
+    assert_identical(load(tmp_path / "ckpt"), load(trained[script].ckpt_dir))
 
 
 @pytest.mark.smoke
