@@ -1,5 +1,5 @@
-"""Helpers for the tests: run a script as a user would (a real subprocess, CPU and gloo) and read
-back what it wrote: console output, TensorBoard scalars, checkpoints."""
+"""Helpers for the tests: run a script as a user would (real processes, CPU and gloo; forked from a warm start where
+nothing differs) and read back what it wrote: console output, TensorBoard scalars, checkpoints."""
 
 import contextlib
 import importlib.util
@@ -144,8 +144,9 @@ class WarmStart:
         self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd), "output": str(output)}).encode()
                               + b"\n")
         self.proc.stdin.flush()
-        while "returncode" in (reply := self.message(60)):
+        while "returncode" in (reply := self.message(60) or {"pid": None}):
             self.ended[reply["pid"]] = reply["returncode"]
+        assert reply["pid"], "tests/warm_start.py forked nothing in 60 s"
         self.ended.pop(reply["pid"], None)  # an earlier process's, that had the same pid
         return reply["pid"]
 
@@ -164,8 +165,9 @@ def kill(pids, signum):
     """Send `signum` to each process of `pids` and to the processes it started (its session's group)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
             os.killpg(pid, signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)  # forked, but not yet in a session of its own
 
 
 def warm(script, *args, nproc=2, timeout=180, cwd=None, env=None):
